@@ -1,0 +1,1 @@
+"""Model description, Megatron-Core builder, and HF <-> Megatron mapping."""
