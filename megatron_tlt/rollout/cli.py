@@ -1,0 +1,244 @@
+"""`megatron-tlt generate`: rollouts from a JSONL prompt file with the native engine.
+
+Prompt lines: a JSON object with `prompt` (text, tokenized as-is with the model's
+tokenizer — no chat template is applied) or `prompt_token_ids` (list of ints), an
+optional `prompt_id` (default: the 0-based index of the line among non-blank lines) and an
+optional `n` (samples for this prompt, default --n).
+
+Output lines, one per sample, in prompt order then sample order: prompt_id, sample_index,
+token_ids, text (generated tokens decoded with special tokens skipped; null without a
+tokenizer), logprobs (log_softmax(logits / T) of each token, before top-k/top-p),
+finish_reason, stop_reason, policy_version, spec (speculative-decoding stats; empty while
+--spec is off) and error (null, or why this request was rejected).
+
+A malformed line stops the run before any work, naming the line; a well-formed but bad
+request (empty prompt, token outside the vocabulary, too long, n < 1) gets an error line
+and the others still run; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from megatron_tlt.errors import TLTError
+from megatron_tlt.models.arch import ModelArch
+
+SPEC_CHOICES = ("off", "eagle", "ngram", "adaptive")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("generate")
+    g.add_argument("--model", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
+    g.add_argument("--prompts", required=True,
+                   help="input JSONL: prompt or prompt_token_ids, optional prompt_id, n")
+    g.add_argument("--out", required=True, help="output JSONL, one line per sample")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 disables")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--min-new-tokens", type=int, default=0, help="ban stop tokens until reached")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--spec", choices=SPEC_CHOICES, default="off",
+                   help="speculative decoding (only off for now)")
+    g.add_argument("--drafter", default=None, help="drafter directory (for --spec eagle/adaptive)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: enough for --max-num-seqs of the longest requests)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", choices=("auto",) + tuple(_DTYPES), default="auto")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    return parser
+
+
+def _arg(args, name, default):
+    return getattr(args, name, default)
+
+
+def read_prompts(path: str) -> list[tuple[int, dict]]:
+    """[(line number, record)]; TLTError naming the line for anything malformed."""
+    if not os.path.isfile(path):
+        raise TLTError(f"--prompts file not found: {path}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TLTError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise TLTError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            has_text, has_ids = "prompt" in rec, "prompt_token_ids" in rec
+            if has_text == has_ids:
+                raise TLTError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+            if has_text and not isinstance(rec["prompt"], str):
+                raise TLTError(f"{where}: 'prompt' must be a string, got {type(rec['prompt']).__name__}")
+            if has_ids and not isinstance(rec["prompt_token_ids"], list):
+                raise TLTError(f"{where}: 'prompt_token_ids' must be a list of integers")
+            pid = rec.get("prompt_id", len(records))
+            if not isinstance(pid, (str, int)) or isinstance(pid, bool):
+                raise TLTError(f"{where}: 'prompt_id' must be a string or an integer, got {pid!r}")
+            rec["prompt_id"] = pid
+            records.append((lineno, rec))
+    if not records:
+        raise TLTError(f"--prompts file {path} has no prompts")
+    return records
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(model_dir: str, needed: bool):
+    # transformers may build an *empty* tokenizer from config.json alone; require files.
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        if needed:
+            raise TLTError(f"cannot load the tokenizer from {model_dir} (needed for text prompts): "
+                           f"none of {', '.join(_TOKENIZER_FILES)} is there")
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means "no usable tokenizer"
+        if needed:
+            raise TLTError(f"cannot load the tokenizer from {model_dir} (needed for text prompts): "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        return None
+
+
+def _eos_ids(model_dir: str, tokenizer) -> list[int]:
+    for fname in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, fname)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise TLTError(f"{path}: cannot read eos_token_id ({e})") from None
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [int(tokenizer.eos_token_id)]
+    return []
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.rollout.request import Result, expand_requests
+    from megatron_tlt.rollout.sampling import SamplingParams
+    from megatron_tlt.rollout.weights import load_hf
+
+    spec = _arg(args, "spec", "off")
+    if spec != "off":
+        raise TLTError(f"--spec {spec} is not available yet (only --spec off)")
+    if _arg(args, "drafter", None):
+        raise TLTError("--drafter is not available yet (it needs --spec eagle/adaptive)")
+    n = args.n
+    if n < 1:
+        raise TLTError(f"--n must be >= 1, got {n}")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens,
+                            min_new_tokens=_arg(args, "min_new_tokens", 0),
+                            stop_strings=tuple(_arg(args, "stop", None) or ()), seed=args.seed)
+    records = read_prompts(args.prompts)
+
+    device = _arg(args, "device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype_name = _arg(args, "dtype", "auto")
+    arch = ModelArch.from_hf_dir(args.model)
+    if dtype_name == "auto":
+        if device == "cpu":
+            dtype_name = "float32"
+        else:
+            dtype_name = arch.torch_dtype if arch.torch_dtype in _DTYPES else "bfloat16"
+    try:
+        params.check(arch.vocab_size)
+    except TLTError as e:
+        raise TLTError(f"sampling flags: {e}") from None
+    arch, weights = load_hf(args.model, dtype=_DTYPES[dtype_name], device=device)
+    tokenizer = _load_tokenizer(args.model, needed=any("prompt" in r for _, r in records))
+    if params.stop_strings and tokenizer is None:
+        raise TLTError(f"--stop needs a tokenizer, and none could be loaded from {args.model}")
+
+    requests, slots = [], []  # slots: (request index or None, error line)
+    for lineno, rec in records:
+        pid = rec["prompt_id"]
+        ids = rec.get("prompt_token_ids")
+        if ids is None:
+            ids = tokenizer.encode(rec["prompt"])
+        try:
+            reqs = expand_requests(pid, ids, params, rec.get("n", n))
+        except TLTError as e:
+            slots.append((None, {"prompt_id": pid, "error": f"{args.prompts}:{lineno}: {e}"}))
+            continue
+        for r in reqs:
+            slots.append((len(requests), None))
+            requests.append(r)
+
+    max_model_len = _arg(args, "max_model_len", None) or arch.max_position_embeddings
+    block_size = _arg(args, "block_size", 16)
+    max_num_seqs = _arg(args, "max_num_seqs", 64)
+    num_blocks = _arg(args, "num_blocks", None)
+    if num_blocks is None:
+        per = sorted((-(-min(len(r.prompt_token_ids) + params.max_new_tokens, max_model_len) // block_size)
+                      for r in requests), reverse=True) or [1]
+        num_blocks = max(1, sum(per[:max_num_seqs]))
+    engine = RolloutEngine(arch, weights, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                           block_size=block_size, dtype=_DTYPES[dtype_name], device=device,
+                           max_model_len=max_model_len, eos_token_ids=_eos_ids(args.model, tokenizer),
+                           detokenize=(lambda t: tokenizer.decode(t, skip_special_tokens=True))
+                           if tokenizer is not None else None, seed=args.seed)
+
+    bar = tqdm(total=len(requests), unit="req", desc="generate", dynamic_ncols=True)
+
+    def on_progress(p):
+        bar.n = p.num_done
+        bar.set_postfix(tok_s=f"{p.tokens_per_s:.1f}", refresh=False)
+        bar.refresh()
+
+    try:
+        results: list[Result] = engine.generate(requests, progress=on_progress) if requests else []
+    finally:
+        bar.close()
+
+    num_errors = 0
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for idx, err in slots:
+            if idx is None:
+                line = {"prompt_id": err["prompt_id"], "sample_index": None, "token_ids": [],
+                        "text": None, "logprobs": None, "finish_reason": "error", "stop_reason": None,
+                        "policy_version": engine.policy_version, "spec": {}, "error": err["error"]}
+            else:
+                r = results[idx]
+                text = None
+                if tokenizer is not None and r.error is None:
+                    text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+                line = {"prompt_id": r.prompt_id, "sample_index": r.sample_index,
+                        "token_ids": r.token_ids, "text": text, "logprobs": r.logprobs,
+                        "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+                        "policy_version": r.policy_version, "spec": dict(r.spec_stats),
+                        "error": r.error}
+            if line["error"] is not None:
+                num_errors += 1
+                print(f"warning: {line['error']}", file=sys.stderr)
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    os.replace(tmp, args.out)
+    if num_errors:
+        print(f"{num_errors} of {len(slots)} output lines are rejected requests (see 'error' in {args.out})",
+              file=sys.stderr)
+        return 1
+    return 0

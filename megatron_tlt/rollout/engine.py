@@ -1,0 +1,389 @@
+"""RolloutEngine: continuous-batching generation over the paged KV cache.
+
+`generate(requests)` is the whole API most callers need. Its step is split into parts
+that a speculative-decoding step reuses (draft -> `verify_forward` -> accept ->
+`commit_kv` -> append tokens):
+
+- `forward_pending(seqs)`: run every pending token of each sequence (prefill, decode or
+  re-prefill; one varlen forward) and return the logits of each sequence's last token;
+- `sample_and_append(seqs, logits)`: one token per sequence from its own generator, then
+  the stop checks;
+- `verify_forward(seqs, query_tokens, positions, tree_mask)`: Q query tokens per sequence
+  with an explicit mask among them and full attention to the committed prefix; their KV
+  is written to the Q cache positions after the committed ones, uncommitted;
+- `commit_kv(seq, accepted)`: move the accepted entries to contiguous positions and
+  drop the rest.
+
+Bad requests are rejected one by one (`Result.error`, `finish_reason="error"`), before any
+work starts, and never affect the other requests of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Mapping, Sequence as Seq
+
+import torch
+
+from megatron_tlt.errors import ConfigError, TLTError
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.attention import AttentionMetadata, make_backend
+from megatron_tlt.rollout.kv_cache import PagedKVCache
+from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
+from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
+from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, draw_exponential,
+                                           make_generator, sample)
+from megatron_tlt.rollout.scheduler import Scheduler, Sequence
+from megatron_tlt.rollout.weights import EngineWeights
+
+
+@dataclasses.dataclass
+class Progress:
+    num_done: int
+    """Requests finished (rejected ones included)."""
+    num_total: int
+    num_generated_tokens: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class RolloutEngine:
+    def __init__(self, arch: ModelArch, weights: EngineWeights, *, max_num_seqs: int = 64,
+                 num_blocks: int = 1024, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                 eos_token_ids: Seq[int] = (), detokenize: Callable[[list[int]], str] | None = None,
+                 seed: int = 0, attention_backend: str = "torch",
+                 batch_invariant: bool | None = None):
+        """
+        max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+        max_num_batched_tokens: prefill token budget per step (a lone prompt may exceed it).
+        eos_token_ids: stop every request (with each request's stop_token_ids).
+        detokenize: token ids -> text, needed only by requests with stop_strings.
+        seed: used by requests whose SamplingParams.seed is None.
+        batch_invariant: fixed-shape matmul tiles so tokens do not depend on the batch
+            (default: on for CPU).
+        """
+        device = torch.device(device)
+        if weights.dtype != dtype:
+            raise ConfigError(f"engine dtype {dtype} differs from the weights' dtype {weights.dtype}")
+        if weights.device.type != device.type:
+            raise ConfigError(f"engine device {device} differs from the weights' device {weights.device}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("num_blocks", num_blocks),
+                            ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"rollout {name} must be an integer >= 1, got {value!r}")
+        max_model_len = arch.max_position_embeddings if max_model_len is None else max_model_len
+        if not 1 <= max_model_len <= arch.max_position_embeddings:
+            raise ConfigError(f"max_model_len ({max_model_len}) must be in [1, max_position_embeddings "
+                              f"({arch.max_position_embeddings})]")
+        for tok in eos_token_ids:
+            if not 0 <= tok < arch.vocab_size:
+                raise ConfigError(f"eos token id {tok} is outside the vocabulary [0, {arch.vocab_size})")
+        self.arch = arch
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detokenize = detokenize
+        self.seed = seed
+        if batch_invariant is None:
+            batch_invariant = device.type == "cpu"
+        self.model = InferenceModel(arch, weights, max_positions=max_model_len,
+                                    attention=make_backend(attention_backend, precise=batch_invariant),
+                                    batch_invariant=batch_invariant)
+        self.cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+                                  head_dim=arch.head_dim, num_blocks=num_blocks,
+                                  block_size=block_size, dtype=dtype, device=device)
+        self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self._seq_ids = itertools.count()
+
+    # ---- weights and memory -----------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self.weights.version
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """In-place policy update (HF names); see EngineWeights.update_weights."""
+        self.weights.update_weights(named_tensors, version)
+
+    def sleep(self) -> None:
+        """Release the KV cache memory (only between generate calls)."""
+        self.cache.sleep()
+
+    def wake(self) -> None:
+        self.cache.wake()
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def check_request(self, req: Request) -> None:
+        """Raise TLTError saying what is wrong with `req` (without naming it)."""
+        if not isinstance(req, Request):
+            raise TLTError(f"expected a Request, got {type(req).__name__}")
+        v = self.arch.vocab_size
+        ids = req.prompt_token_ids
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise TLTError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+        if not ids:
+            raise TLTError("prompt is empty (no prompt tokens)")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise TLTError(f"prompt token id {t!r} at index {i} is outside the vocabulary [0, {v})")
+        si = req.sample_index
+        if not isinstance(si, int) or isinstance(si, bool) or si < 0:
+            raise TLTError(f"sample_index must be an integer >= 0, got {si!r}")
+        params = req.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TLTError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.check(v)
+        if params.stop_strings and self.detokenize is None:
+            raise TLTError("stop_strings need a tokenizer, but the engine has no detokenize function")
+        if req.return_hidden_states not in (None,) + HIDDEN_KINDS:
+            raise TLTError(f"return_hidden_states must be None, 'final' or 'pre_norm', "
+                           f"got {req.return_hidden_states!r}")
+        total = len(ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise TLTError(f"prompt length {len(ids)} + max_new_tokens {params.max_new_tokens} = "
+                           f"{total} exceeds max_model_len {self.max_model_len}")
+        blocks = self.cache.blocks_for(total)
+        if blocks > self.cache.num_blocks:
+            raise TLTError(f"prompt + max_new_tokens = {total} tokens need {blocks} KV blocks, but "
+                           f"the cache has only {self.cache.num_blocks} (block_size "
+                           f"{self.cache.block_size})")
+
+    def add_sequence(self, req: Request, *, index: int = 0) -> Sequence:
+        """A validated, unscheduled sequence (for `generate` and for step-level callers)."""
+        self.check_request(req)
+        params = req.sampling_params
+        seed = self.seed if params.seed is None else params.seed
+        ids = req.prompt_token_ids
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return Sequence(seq_id=next(self._seq_ids), request=req, index=index, token_ids=ids,
+                        prompt_len=len(ids),
+                        generator=make_generator(seed, req.prompt_id, req.sample_index),
+                        stop=StopChecker(params, self.eos_token_ids, self.detokenize),
+                        policy_version=self.weights.version)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.pending_verify = 0
+
+    # ---- generate ---------------------------------------------------------------------
+
+    def generate(self, requests: list[Request], *,
+                 progress: Callable[[Progress], None] | None = None) -> list[Result]:
+        """Generate for every request; results in request order. Rejected requests get a
+        Result with `error` set and do not stop the others."""
+        if self.cache.is_sleeping:
+            raise RuntimeError("RolloutEngine.generate() while asleep; call wake() first")
+        version = self.weights.version
+        results: list[Result | None] = [None] * len(requests)
+        seen: dict[tuple[str, int], int] = {}
+        for i, req in enumerate(requests):
+            name = (f"request {i} (prompt_id={getattr(req, 'prompt_id', None)!r}, "
+                    f"sample_index={getattr(req, 'sample_index', None)!r})")
+            try:
+                seq = self.add_sequence(req, index=i)
+                key = (str(req.prompt_id), req.sample_index)
+                if key in seen:
+                    raise TLTError(f"duplicate of request {seen[key]} (same prompt_id and "
+                                   f"sample_index would sample identical tokens)")
+                seen[key] = i
+            except TLTError as e:
+                results[i] = Result.rejected(req, f"{name}: {e}", version)
+                continue
+            self.scheduler.add(seq)
+        num_done = sum(r is not None for r in results)
+        num_tokens = 0
+        start = time.perf_counter()
+        try:
+            while self.scheduler.has_work():
+                scheduled, finished = self.step()
+                num_tokens += len(scheduled)
+                for seq in finished:
+                    results[seq.index] = self._result(seq)
+                num_done += len(finished)
+                if progress is not None:
+                    progress(Progress(num_done, len(requests), num_tokens,
+                                      time.perf_counter() - start))
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+        return results  # type: ignore[return-value]
+
+    def step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """One scheduling step: (sequences that ran, sequences that finished)."""
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            raise RuntimeError("scheduler could not run anything: the KV cache is held by "
+                               "sequences outside the scheduler")
+        out = self.forward_pending(plan.seqs)
+        self.sample_and_append(plan.seqs, out.logits)
+        finished = [s for s in plan.seqs if s.finish_reason is not None]
+        for s in finished:
+            self.scheduler.finish(s)
+        return plan.seqs, finished
+
+    def _result(self, seq: Sequence) -> Result:
+        hidden = None
+        if seq.request.return_hidden_states is not None:
+            hidden = torch.cat(seq.hidden).cpu() if seq.hidden else None
+        want_lp = seq.request.sampling_params.logprobs
+        return Result(prompt_id=seq.request.prompt_id, sample_index=seq.request.sample_index,
+                      token_ids=list(seq.output_ids),
+                      logprobs=list(seq.logprobs) if want_lp else None,
+                      processed_logprobs=list(seq.processed_logprobs) if want_lp else None,
+                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                      policy_version=seq.policy_version, hidden_states=hidden,
+                      num_preemptions=seq.num_preemptions)
+
+    # ---- step parts ---------------------------------------------------------------------
+
+    def forward_pending(self, seqs: list[Sequence]) -> ForwardOutput:
+        """Run the pending tokens `token_ids[num_computed:]` of each sequence; commit their
+        KV. Returns logits [B, vocab] of each sequence's last token."""
+        ids, positions, slots, starts, ctx = [], [], [], [0], []
+        for seq in seqs:
+            lo, hi = seq.num_computed, len(seq.token_ids)
+            if hi <= lo:
+                raise RuntimeError(f"sequence {seq.seq_id} has no pending tokens")
+            if not self.cache.ensure(seq.seq_id, hi):
+                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {hi} tokens")
+            ids.extend(seq.token_ids[lo:hi])
+            pos = torch.arange(lo, hi)
+            positions.append(pos)
+            slots.append(self.cache.slots(seq.seq_id, pos))
+            starts.append(starts[-1] + hi - lo)
+            ctx.append(hi)
+        meta = self._metadata(seqs, slots, starts, ctx, tree_mask=None)
+        want_hidden = any(s.request.return_hidden_states for s in seqs)
+        out = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                 torch.cat(positions).to(self.device), self.cache, meta,
+                                 logits_indices=meta.query_start[1:] - 1,
+                                 return_hidden=want_hidden)
+        for b, seq in enumerate(seqs):
+            seq.num_computed = len(seq.token_ids)
+            seq.pending_verify = 0
+            kind = seq.request.return_hidden_states
+            if kind is not None:
+                h = out.hidden_final if kind == "final" else out.hidden_pre_norm
+                seq.hidden.append(h[starts[b]:starts[b + 1]].clone())
+        return out
+
+    def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token per sequence (logits [B, vocab] float32), append it, run the stop
+        checks (setting finish_reason). Returns the tokens [B]."""
+        b, v = logits.shape
+        temps, top_k, top_p, noise = [], [], [], []
+        banned = None
+        for i, seq in enumerate(seqs):
+            p = seq.request.sampling_params
+            temps.append(float(p.temperature))
+            top_k.append(int(p.top_k))
+            top_p.append(float(p.top_p))
+            if p.temperature > 0:
+                noise.append(draw_exponential(seq.generator, v))  # the request's one draw
+            else:
+                noise.append(torch.ones(v))
+            ban = seq.stop.banned_ids(len(seq.output_ids))
+            if ban:
+                if banned is None:
+                    banned = torch.zeros(b, v, dtype=torch.bool)
+                banned[i, list(ban)] = True
+        dev = logits.device
+        out = sample(logits, torch.tensor(temps, device=dev), torch.tensor(top_k, device=dev),
+                     torch.tensor(top_p, device=dev), torch.stack(noise).to(dev),
+                     None if banned is None else banned.to(dev))
+        tokens = out.token_ids.tolist()
+        lps = out.logprobs.tolist()
+        plps = out.processed_logprobs.tolist()
+        for i, seq in enumerate(seqs):
+            seq.token_ids.append(tokens[i])
+            seq.logprobs.append(lps[i])
+            seq.processed_logprobs.append(plps[i])
+            reason, stop = seq.stop.check(seq.output_ids, len(seq.token_ids) >= self.max_model_len)
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason, stop
+        return out.token_ids
+
+    def verify_forward(self, seqs: list[Sequence],
+                       query_tokens: torch.Tensor,  # [B, Q] int64
+                       positions: torch.Tensor,  # [B, Q] int64 RoPE positions
+                       tree_mask: torch.Tensor,  # [B, Q, Q] bool: query i sees query j
+                       *, return_hidden: str | None = None,
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, Q, vocab] of Q query tokens per sequence that see the whole committed
+        prefix plus the query tokens `tree_mask` allows. Their KV goes to cache positions
+        num_computed .. num_computed + Q - 1 (uncommitted until `commit_kv`). With
+        return_hidden ("final" / "pre_norm") also returns hidden states [B, Q, hidden]."""
+        bsz, q = query_tokens.shape
+        if positions.shape != (bsz, q) or tree_mask.shape != (bsz, q, q) or len(seqs) != bsz:
+            raise ValueError(f"verify_forward: {len(seqs)} seqs, query_tokens {tuple(query_tokens.shape)}, "
+                             f"positions {tuple(positions.shape)}, tree_mask {tuple(tree_mask.shape)} "
+                             f"do not agree")
+        tree_mask = tree_mask.to(torch.bool)
+        if not bool(tree_mask.diagonal(dim1=1, dim2=2).all()):
+            raise ValueError("verify_forward: every query token must see itself (tree_mask diagonal)")
+        if int(positions.max()) >= self.max_model_len:
+            raise ValueError(f"verify_forward: position {int(positions.max())} >= max_model_len")
+        slots, starts, ctx = [], [0], []
+        for seq in seqs:
+            base = seq.num_computed
+            if not self.cache.ensure(seq.seq_id, base + q):
+                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {base + q} entries")
+            slots.append(self.cache.slots(seq.seq_id, torch.arange(base, base + q)))
+            starts.append(starts[-1] + q)
+            ctx.append(base + q)
+        meta = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device))
+        out = self.model.forward(query_tokens.reshape(-1).to(self.device, torch.int64),
+                                 positions.reshape(-1).to(self.device, torch.int64), self.cache,
+                                 meta, logits_indices=None, return_hidden=return_hidden is not None)
+        for seq in seqs:
+            seq.pending_verify = q
+        logits = out.logits.view(bsz, q, -1)
+        if return_hidden is None:
+            return logits
+        h = out.hidden_final if return_hidden == "final" else out.hidden_pre_norm
+        return logits, h.view(bsz, q, -1)
+
+    def commit_kv(self, seq: Sequence, accepted_slot_indices: Seq[int] | torch.Tensor) -> None:
+        """Keep the KV of the accepted query tokens of the last verify_forward (indices into
+        its Q queries, strictly increasing, i.e. a root-to-node path in topological order):
+        move them to cache positions num_computed, num_computed + 1, ... and drop the rest.
+        The caller appends the accepted tokens (and the bonus token) to seq.token_ids."""
+        idx = torch.as_tensor(accepted_slot_indices, dtype=torch.int64).reshape(-1).cpu()
+        q = seq.pending_verify
+        if idx.numel():
+            if int(idx.min()) < 0 or int(idx.max()) >= q:
+                raise ValueError(f"commit_kv: accepted indices {idx.tolist()} outside the last "
+                                 f"verify's {q} query tokens")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise ValueError(f"commit_kv: accepted indices {idx.tolist()} must be strictly increasing")
+            base = seq.num_computed
+            self.cache.move(seq.seq_id, base + idx, base + torch.arange(idx.numel()))
+            seq.num_computed = base + idx.numel()
+        seq.pending_verify = 0
+
+    def _metadata(self, seqs, slots, starts, ctx, tree_mask) -> AttentionMetadata:
+        tables = [self.cache.block_table(s.seq_id) for s in seqs]
+        width = max(len(t) for t in tables)
+        bt = torch.zeros(len(seqs), width, dtype=torch.int64)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        dev = self.device
+        return AttentionMetadata(slot_mapping=torch.cat(slots).to(dev),
+                                 query_start=torch.tensor(starts, dtype=torch.int64, device=dev),
+                                 context_lens=torch.tensor(ctx, dtype=torch.int64, device=dev),
+                                 block_tables=bt.to(dev), tree_mask=tree_mask)

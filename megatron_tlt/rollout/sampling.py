@@ -1,0 +1,187 @@
+"""Sampling: parameters, per-request randomness, the sampler and stop conditions.
+
+Definitions (used by every caller, the trainer included):
+
+- Processing order: logits -> / temperature -> min_new_tokens ban (stop ids to -inf)
+  -> top-k (ties at the boundary keep the lowest ids) -> top-p over the top-k-renormalised
+  distribution (keep the smallest prefix of the sorted distribution whose mass reaches
+  top_p; the most likely token is always kept) -> sample.
+- Sampling is the *exponential race*: token = argmax_i p_i / E_i with E_i ~ Exp(1), one
+  [vocab] draw per sampled token from the request's own generator. This equals a draw
+  from p, needs no host sync, and takes its noise as a tensor, so a kernel can consume
+  the same noise. Temperature 0 is greedy: argmax of the (banned) logits, ties -> lowest
+  id; it consumes no randomness.
+- `logprobs` (the default reported per-token logprob) is log_softmax(logits / T)[token]:
+  the temperature-scaled distribution BEFORE the min_new_tokens ban, top-k and top-p —
+  what the trainer recomputes from the policy. For T = 0 it is log_softmax(logits)
+  (T = 1). `processed_logprobs` is the log-probability under the distribution actually
+  sampled from (after ban/top-k/top-p; 0.0 for greedy).
+- Per-request generators: `torch.Generator` seeded from (seed, prompt id, sample index)
+  through BLAKE2b, so the same seed gives the same noise whatever else is in the batch
+  and across processes. A preempted request keeps its generator; recompute draws nothing.
+- Stop: a stop token (eos ids of the engine plus `stop_token_ids`) or a stop string ends a
+  request only once `min_new_tokens` tokens exist; the stop token / the token completing
+  the stop string is kept in the output. Stop strings are matched on the decoded tail of
+  the output (prompt excluded) and must end inside the newest token's text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_tlt.errors import TLTError
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams:
+    """Per-request sampling settings. Checked by `check()` when the engine admits the
+    request (not on construction), so one bad request is rejected alone."""
+
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables."""
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    """Stop tokens are banned and stop strings ignored until this many tokens exist."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens, on top of the engine's eos ids."""
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    """None: the engine's seed."""
+    logprobs: bool = True
+
+    def check(self, vocab_size: int) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise TLTError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise TLTError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
+            raise TLTError(f"top_p must be in (0, 1], got {p!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise TLTError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise TLTError(f"min_new_tokens must be an integer in [0, max_new_tokens="
+                           f"{self.max_new_tokens}], got {self.min_new_tokens!r}")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or not 0 <= tok < vocab_size:
+                raise TLTError(f"stop token id {tok!r} is outside the vocabulary [0, {vocab_size})")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise TLTError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise TLTError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def request_seed(seed: int, prompt_id, sample_index: int) -> int:
+    """Stable 63-bit seed for one request from (seed, prompt id, sample index)."""
+    key = f"{seed}\x1f{prompt_id}\x1f{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def make_generator(seed: int, prompt_id, sample_index: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(request_seed(seed, prompt_id, sample_index))
+
+
+def draw_exponential(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
+    """One [vocab] draw of Exp(1) noise, clamped away from 0 so p / E is never 0/0."""
+    e = torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+    return e.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, log_softmax(logits / T) before ban/top-k/top-p
+    processed_logprobs: torch.Tensor  # [B] float32, under the distribution sampled from
+
+
+def sample(logits: torch.Tensor,  # [B, vocab] float32
+           temperature: torch.Tensor,  # [B] float32, 0 = greedy
+           top_k: torch.Tensor,  # [B] int64, <= 0 disables
+           top_p: torch.Tensor,  # [B] float32, >= 1 disables
+           exp_noise: torch.Tensor,  # [B, vocab] float32 Exp(1) noise (ignored for greedy rows)
+           banned: torch.Tensor | None = None,  # [B, vocab] bool, True = may not be sampled
+           ) -> SampleOutput:
+    """Reference sampler (the spec for a fused GPU sampling kernel)."""
+    b, vocab = logits.shape
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits.float() / t[:, None]
+    logprobs_all = torch.log_softmax(scaled, dim=-1)
+    proc = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    needs_filter = bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any())
+    if needs_filter:
+        sorted_logits, order = torch.sort(proc, dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        keep = rank < k[:, None]
+        probs_sorted = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+        keep_vocab = torch.zeros_like(keep).scatter_(1, order, keep)
+        proc = proc.masked_fill(~keep_vocab, float("-inf"))
+    proc_logprobs = torch.log_softmax(proc, dim=-1)
+    greedy_tok = torch.argmax(proc, dim=-1)
+    race_tok = torch.argmax(proc_logprobs.exp() / exp_noise, dim=-1)
+    tokens = torch.where(greedy, greedy_tok, race_tok)
+    lp = logprobs_all.gather(1, tokens[:, None])[:, 0]
+    plp = torch.where(greedy, torch.zeros_like(lp), proc_logprobs.gather(1, tokens[:, None])[:, 0])
+    return SampleOutput(token_ids=tokens, logprobs=lp, processed_logprobs=plp)
+
+
+class StopChecker:
+    """Decides after each new token whether a request is finished."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int],
+                 detokenize: Callable[[list[int]], str] | None):
+        self.params = params
+        self.stop_ids = frozenset(eos_token_ids) | frozenset(params.stop_token_ids)
+        self.detokenize = detokenize
+        self.max_stop_len = max((len(s) for s in params.stop_strings), default=0)
+
+    def banned_ids(self, num_output: int) -> frozenset[int]:
+        """Token ids that may not be sampled as output token number `num_output` (0-based)."""
+        return self.stop_ids if num_output < self.params.min_new_tokens else frozenset()
+
+    def check(self, output_ids: list[int],
+              max_len_reached: bool) -> tuple[str, int | str | None] | tuple[None, None]:
+        """(finish_reason, stop_reason) once finished — ('stop', token id | string) or
+        ('length', None) — else (None, None). `output_ids` includes the newest token."""
+        n = len(output_ids)
+        if n >= self.params.min_new_tokens:
+            if output_ids[-1] in self.stop_ids:
+                return "stop", output_ids[-1]
+            hit = self._stop_string(output_ids)
+            if hit is not None:
+                return "stop", hit
+        if n >= self.params.max_new_tokens or max_len_reached:
+            return "length", None
+        return None, None
+
+    def _stop_string(self, output_ids: list[int]) -> str | None:
+        if not self.params.stop_strings:
+            return None
+        # Enough tail tokens to cover the longest stop string even when tokens decode to
+        # one character (or none: partial UTF-8 pieces), plus slack.
+        tail = output_ids[-(self.max_stop_len + 8):]
+        text = self.detokenize(tail)
+        prev = self.detokenize(tail[:-1]) if len(tail) > 1 else ""
+        fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token
+        for s in self.params.stop_strings:
+            if s in text[max(0, fresh - len(s) + 1):]:
+                return s
+        return None

@@ -1,0 +1,52 @@
+"""Test helpers for the rollout engine: tiny random HF models (Llama / Qwen2 / Qwen3), fp32,
+saved as safetensors; engines over them; random prompts."""
+
+import os
+
+import torch
+
+from megatron_tlt.rollout import RolloutEngine, load_hf
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def make_hf_model(family: str, path: str, *, vocab_size: int = 300, tie: bool | None = None,
+                  seed: int = 0, max_pos: int = 128, num_layers: int = 2):
+    """Save a tiny random model with GQA (4 heads, 2 KV heads) and randomized norms."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    if tie is None:
+        tie = family != "llama"
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=max_pos, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def make_engine(model_dir: str, **kw) -> RolloutEngine:
+    arch, weights = load_hf(model_dir)
+    opts = dict(max_num_seqs=8, num_blocks=64, block_size=4)
+    opts.update(kw)
+    return RolloutEngine(arch, weights, **opts)
+
+
+def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

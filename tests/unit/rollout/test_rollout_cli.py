@@ -1,0 +1,111 @@
+"""`megatron-tlt generate` body: flags, JSONL in/out, per-line errors."""
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from megatron_tlt.errors import TLTError
+from megatron_tlt.rollout.cli import add_generate_args, main
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_models, tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    d = tmp_path_factory.mktemp("cli_model") / "m"
+    shutil.copytree(hf_models["llama"][0], d)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 300)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(d)
+    return str(d)
+
+
+def _args(model_dir, prompts_path, out, *extra):
+    parser = add_generate_args(argparse.ArgumentParser())
+    return parser.parse_args(["--model", model_dir, "--prompts", str(prompts_path), "--out", str(out),
+                              "--max-new-tokens", "6", "--block-size", "4", *extra])
+
+
+def _write(path, lines):
+    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    return path
+
+
+def test_generate_jsonl(model_dir, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [
+        {"prompt_id": "a", "prompt": "w5 w17 w42"},
+        "",
+        {"prompt_token_ids": [3, 4, 5, 6]},
+        {"prompt_id": "bad", "prompt_token_ids": [3, 400]},
+        {"prompt_id": "none", "prompt": "w9", "n": 0},
+    ])
+    out = tmp_path / "out.jsonl"
+    rc = main(_args(model_dir, prompts, out, "--n", "2", "--temperature", "0.8", "--top-p", "0.9",
+                    "--seed", "3"))
+    assert rc == 1  # rejected lines
+    lines = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [(l["prompt_id"], l["sample_index"]) for l in lines] == [
+        ("a", 0), ("a", 1), (1, 0), (1, 1), ("bad", 0), ("bad", 1), ("none", None)]
+    for l in lines[:4]:
+        assert l["error"] is None and l["finish_reason"] in ("stop", "length")
+        assert len(l["token_ids"]) == len(l["logprobs"]) and 1 <= len(l["token_ids"]) <= 6
+        assert isinstance(l["text"], str) and l["spec"] == {} and l["policy_version"] == 0
+        if l["finish_reason"] == "stop":
+            assert l["token_ids"][-1] == 1  # tokenizer eos
+    assert lines[0]["token_ids"] != lines[1]["token_ids"]
+    assert "outside the vocabulary" in lines[4]["error"] and lines[4]["finish_reason"] == "error"
+    assert "p.jsonl:5: prompt 'none': number of samples n must be" in lines[6]["error"]
+    # Same seed -> identical file.
+    out2 = tmp_path / "out2.jsonl"
+    main(_args(model_dir, prompts, out2, "--n", "2", "--temperature", "0.8", "--top-p", "0.9",
+               "--seed", "3"))
+    assert out2.read_text() == out.read_text()
+
+
+def test_greedy_text_matches_tokens(model_dir, tmp_path):
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt": "w5 w6"}])
+    out = tmp_path / "out.jsonl"
+    assert main(_args(model_dir, prompts, out, "--temperature", "0")) == 0
+    (line,) = [json.loads(l) for l in out.read_text().splitlines()]
+    words = [f"w{t}" for t in line["token_ids"] if t != 1]
+    assert line["text"] == " ".join(words)
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    (['{"prompt": "w1"}', '{"prompt": "w2"', '{"prompt": "w3"}'], [], r"p\.jsonl:2: not valid JSON"),
+    (['[1, 2]'], [], r"p\.jsonl:1: expected a JSON object"),
+    (['{"prompt": "w1", "prompt_token_ids": [1]}'], [], "exactly one of"),
+    (['{"text": "w1"}'], [], "exactly one of"),
+    (['{"prompt": 5}'], [], "'prompt' must be a string"),
+    (['{"prompt": "w1"}'], ["--n", "0"], "--n must be >= 1, got 0"),
+    (['{"prompt": "w1"}'], ["--spec", "eagle"], "--spec eagle is not available yet"),
+    (['{"prompt": "w1"}'], ["--drafter", "/x"], "--drafter is not available yet"),
+    (['{"prompt": "w1"}'], ["--top-p", "1.5"], r"sampling flags: top_p must be in \(0, 1\]"),
+])
+def test_bad_input_is_one_clear_error(model_dir, tmp_path, content, flags, message):
+    prompts = _write(tmp_path / "p.jsonl", content)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(TLTError, match=message):
+        main(_args(model_dir, prompts, out, *flags))
+    assert not out.exists()
+
+
+def test_missing_prompts_file(model_dir, tmp_path):
+    with pytest.raises(TLTError, match="--prompts file not found"):
+        main(_args(model_dir, tmp_path / "nope.jsonl", tmp_path / "o.jsonl"))
+
+
+def test_token_id_prompts_need_no_tokenizer(hf_models, tmp_path):
+    model_dir = hf_models["llama"][0]  # no tokenizer files
+    prompts = _write(tmp_path / "p.jsonl", [{"prompt_id": 9, "prompt_token_ids": [3, 4]}])
+    out = tmp_path / "out.jsonl"
+    assert main(_args(model_dir, prompts, out, "--temperature", "0")) == 0
+    (line,) = [json.loads(l) for l in out.read_text().splitlines()]
+    assert line["text"] is None and len(line["token_ids"]) == 6 and line["finish_reason"] == "length"
+    text_prompts = _write(tmp_path / "t.jsonl", [{"prompt": "w3"}])
+    with pytest.raises(TLTError, match="cannot load the tokenizer"):
+        main(_args(model_dir, text_prompts, out))

@@ -1,0 +1,90 @@
+"""Each bad request is rejected alone, with a message naming it; the rest of the batch runs."""
+
+import re
+
+import pytest
+import torch
+
+from rollout_testutil import make_engine, prompts
+from megatron_tlt.errors import ConfigError, TLTError
+from megatron_tlt.rollout import Request, RolloutEngine, SamplingParams, expand_requests, load_hf
+
+MAX_LEN = 40
+
+BAD = {
+    "empty": (dict(prompt_token_ids=[]), "prompt is empty"),
+    "vocab_high": (dict(prompt_token_ids=[1, 300]), r"prompt token id 300 at index 1 is outside the vocabulary \[0, 300\)"),
+    "vocab_negative": (dict(prompt_token_ids=[-1]), "prompt token id -1 at index 0"),
+    "not_int": (dict(prompt_token_ids=[1, 2.5]), "prompt token id 2.5 at index 1"),
+    "too_long": (dict(prompt_token_ids=[1] * 30, sampling_params=SamplingParams(max_new_tokens=11)),
+                 "prompt length 30 \\+ max_new_tokens 11 = 41 exceeds max_model_len 40"),
+    "temperature": (dict(sampling_params=SamplingParams(temperature=-1.0)), "temperature must be"),
+    "top_p": (dict(sampling_params=SamplingParams(top_p=0.0)), r"top_p must be in \(0, 1\]"),
+    "top_k": (dict(sampling_params=SamplingParams(top_k=-5)), "top_k must be"),
+    "max_new": (dict(sampling_params=SamplingParams(max_new_tokens=0)), "max_new_tokens must be"),
+    "min_new": (dict(sampling_params=SamplingParams(min_new_tokens=20, max_new_tokens=5)), "min_new_tokens must be"),
+    "stop_id": (dict(sampling_params=SamplingParams(stop_token_ids=(999,))), "stop token id 999"),
+    "stop_str": (dict(sampling_params=SamplingParams(stop_strings=("x",))), "stop_strings need a tokenizer"),
+    "sample_index": (dict(sample_index=-1), "sample_index must be"),
+    "hidden": (dict(return_hidden_states="everything"), "return_hidden_states must be"),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(hf_models):
+    return make_engine(hf_models["llama"][0], max_model_len=MAX_LEN, num_blocks=64, block_size=4)
+
+
+def test_bad_requests_rejected_individually(engine):
+    good_prompts = prompts(300, [3, 6], seed=41)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    good = [Request(prompt_id=f"good{i}", prompt_token_ids=p, sampling_params=params)
+            for i, p in enumerate(good_prompts)]
+    bad = []
+    for name, (fields, _) in BAD.items():
+        kw = dict(prompt_id=name, prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams())
+        kw.update(fields)
+        bad.append(Request(**kw))
+    batch = [good[0]] + bad + [good[1], Request(prompt_id="good0", prompt_token_ids=[4])]
+    res = engine.generate(batch)
+    alone = [engine.generate([g])[0] for g in good]
+    assert res[0].token_ids == alone[0].token_ids and res[0].error is None
+    assert res[-2].token_ids == alone[1].token_ids and res[-2].error is None
+    for i, (name, (_, pattern)) in enumerate(BAD.items(), start=1):
+        r = res[i]
+        assert r.finish_reason == "error" and r.token_ids == [] and r.logprobs is None
+        assert r.error.startswith(f"request {i} (prompt_id={name!r}, sample_index="), r.error
+        assert re.search(pattern, r.error), (name, r.error)
+    assert "duplicate of request 0" in res[-1].error
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
+
+
+def test_request_larger_than_the_whole_cache(hf_models):
+    eng = make_engine(hf_models["llama"][0], num_blocks=3, block_size=4)
+    (r,) = eng.generate([Request(prompt_id="big", prompt_token_ids=[1] * 10,
+                                 sampling_params=SamplingParams(max_new_tokens=5))])
+    assert "15 tokens need 4 KV blocks, but the cache has only 3" in r.error
+
+
+def test_not_a_request(engine):
+    (r,) = engine.generate([{"prompt_token_ids": [1]}])
+    assert "expected a Request, got dict" in r.error
+
+
+def test_n_must_be_positive():
+    with pytest.raises(TLTError, match=r"prompt 'q7': number of samples n must be an integer >= 1, got 0"):
+        expand_requests("q7", [1, 2], SamplingParams(), 0)
+    reqs = expand_requests("q7", [1, 2], SamplingParams(), 3)
+    assert [r.sample_index for r in reqs] == [0, 1, 2]
+
+
+def test_engine_config_errors(hf_models):
+    arch, w = load_hf(hf_models["llama"][0])
+    with pytest.raises(ConfigError, match="differs from the weights' dtype"):
+        RolloutEngine(arch, w, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        RolloutEngine(arch, w, max_model_len=10_000)
+    with pytest.raises(ConfigError, match="num_blocks must be"):
+        RolloutEngine(arch, w, num_blocks=0)
+    with pytest.raises(ConfigError, match="eos token id 300"):
+        RolloutEngine(arch, w, eos_token_ids=[300])

@@ -1,0 +1,151 @@
+"""Sampler (exponential race, top-k/top-p, greedy) and stop conditions."""
+
+import pytest
+import torch
+
+from rollout_testutil import make_engine, prompts
+from megatron_tlt.rollout import Request, SamplingParams
+from megatron_tlt.rollout.sampling import make_generator, request_seed, sample
+
+# chi-square critical value, 4 degrees of freedom, alpha = 1e-4 (scipy.stats.chi2.ppf(0.9999, 4)).
+CHI2_DF4_1E4 = 23.5127
+N_DRAWS = 20000
+
+
+def _draw(logits, *, temperature=1.0, top_k=0, top_p=1.0, n=N_DRAWS, seed=0, banned=None):
+    v = logits.numel()
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.empty(n, v).exponential_(generator=g)
+    out = sample(logits.expand(n, v), torch.full((n,), temperature), torch.full((n,), top_k),
+                 torch.full((n,), top_p), noise, banned)
+    return out, noise
+
+
+def _chi2(tokens, probs):
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the support"
+    expected = probs[support].double() * tokens.numel()
+    return float(((counts[support] - expected) ** 2 / expected).sum())
+
+
+def test_exponential_race_samples_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    probs = torch.softmax(logits, -1)
+    out, noise = _draw(logits)
+    stat = _chi2(out.token_ids, probs)
+    assert stat < CHI2_DF4_1E4, (f"chi2={stat:.1f} >= {CHI2_DF4_1E4} (df=4): a correct sampler "
+                                 f"fails this with probability 1e-4")
+    freq = torch.bincount(out.token_ids, minlength=5).double() / N_DRAWS
+    assert 0.5 * (freq - probs.double()).abs().sum() < 0.02
+    # Negative control: a broken race (argmax p / E^2 samples ~ sqrt(p)) must fail.
+    broken = torch.argmax(probs / noise ** 2, dim=-1)
+    assert _chi2(broken, probs) > 10 * CHI2_DF4_1E4
+
+
+def test_top_k_top_p_temperature_distribution():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -2.0, 4.0, 1.5])
+    t, k, p = 0.8, 5, 0.95
+    # Independent construction: temperature -> keep top-5 -> renormalize -> nucleus 0.95.
+    probs = torch.softmax(logits.double() / t, -1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[order[:k]] = True
+    pk = torch.where(keep, probs, 0.0)
+    pk = pk / pk.sum()
+    mass = 0.0
+    nucleus = torch.zeros(8, dtype=torch.bool)
+    for i in order[:k]:
+        if mass >= p:
+            break
+        nucleus[i] = True
+        mass += float(pk[i])
+    target = torch.where(nucleus, pk, 0.0)
+    target = target / target.sum()
+    assert int(nucleus.sum()) == 4  # the filters bite: 3 tokens removed by top-k, 1 by top-p
+    out, _ = _draw(logits, temperature=t, top_k=k, top_p=p, seed=1)
+    stat = _chi2(out.token_ids, target.float())
+    assert stat < 21.108, f"chi2={stat:.1f} (df=3, false failure probability 1e-4)"
+    # logprobs: temperature-scaled, BEFORE filtering; processed: under the filtered target.
+    tok = out.token_ids
+    torch.testing.assert_close(out.logprobs, torch.log(probs.float())[tok])
+    torch.testing.assert_close(out.processed_logprobs, torch.log(target.float())[tok])
+
+
+def test_greedy_ties_lowest_id_and_ban():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [0.0, 5.0, 1.0, 5.0], [0.0, 5.0, 1.0, 5.0]])
+    banned = torch.tensor([[False] * 4, [False] * 4, [False, True, False, False]])
+    out = sample(logits, torch.zeros(3), torch.tensor([0, 1, 0]), torch.ones(3), torch.ones(3, 4), banned)
+    assert out.token_ids.tolist() == [1, 1, 3]
+    assert out.processed_logprobs.tolist() == [0.0, 0.0, 0.0]
+    # Banned tokens are never sampled; the reported logprob ignores the ban.
+    logits = torch.tensor([3.0, 0.0, 0.0, 0.0, 0.0])
+    ban = torch.tensor([True, False, False, False, False]).expand(2000, 5)
+    out, _ = _draw(logits, n=2000, banned=ban)
+    assert (out.token_ids != 0).all()
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[out.token_ids])
+
+
+def test_request_seed_is_stable_and_distinct():
+    # Pinned: changing the derivation silently breaks replay of recorded rollouts.
+    assert request_seed(0, "a", 0) == 3708771627899180524
+    assert request_seed(0, "a", 1) == 1367337422905379996
+    assert request_seed(1, 7, 0) == 8862447191235494845
+    assert request_seed(1, 7, 0) == request_seed(1, "7", 0)  # JSON int vs str ids agree
+    a = torch.empty(10).exponential_(generator=make_generator(0, "a", 0))
+    b = torch.empty(10).exponential_(generator=make_generator(0, "a", 0))
+    c = torch.empty(10).exponential_(generator=make_generator(0, "a", 1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.fixture(scope="module")
+def greedy_base(hf_models):
+    model_dir, hf = hf_models["llama"]
+    (p,) = prompts(hf.config.vocab_size, [5], seed=31)
+    (r,) = make_engine(model_dir).generate(
+        [Request(prompt_id=0, prompt_token_ids=p,
+                 sampling_params=SamplingParams(temperature=0, max_new_tokens=12))])
+    base = r.token_ids
+    assert base[3] not in base[:3] and base[5] not in base[:5]
+    return model_dir, p, base
+
+
+def _run(model_dir, p, *, eos=(), detok=None, **params):
+    eng = make_engine(model_dir, eos_token_ids=eos, detokenize=detok)
+    (r,) = eng.generate([Request(prompt_id=0, prompt_token_ids=p, sampling_params=SamplingParams(
+        temperature=0, max_new_tokens=12, **params))])
+    assert r.error is None, r.error
+    return r
+
+
+def test_stop_tokens(greedy_base):
+    model_dir, p, base = greedy_base
+    r = _run(model_dir, p, eos=[base[3]])
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (base[:4], "stop", base[3])
+    r = _run(model_dir, p, stop_token_ids=(base[5],))
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (base[:6], "stop", base[5])
+    assert len(r.logprobs) == 6
+    r = _run(model_dir, p)
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (base, "length", None)
+
+
+def test_min_new_tokens_bans_stop_tokens(greedy_base):
+    model_dir, p, base = greedy_base
+    eos = base[3]
+    r = _run(model_dir, p, eos=[eos], min_new_tokens=8)
+    assert r.token_ids[:3] == base[:3]
+    assert eos not in r.token_ids[:8]
+    assert len(r.token_ids) >= 8
+
+
+def test_stop_strings(greedy_base):
+    model_dir, p, base = greedy_base
+
+    def detok(ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    spanning = f"{base[4]}><{base[5]}"  # ends inside token 5's text
+    r = _run(model_dir, p, detok=detok, stop_strings=(spanning, "never"))
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (base[:6], "stop", spanning)
+    r = _run(model_dir, p, detok=detok, stop_strings=(spanning,), min_new_tokens=7)
+    assert r.finish_reason == "length"
