@@ -151,17 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("generate", help="rollouts from prompts to a JSONL file")
-    p.add_argument("--model", required=True, metavar="DIR", help="model directory (HF or Megatron-Core)")
-    p.add_argument("--prompts", required=True, metavar="FILE", help="prompts, one JSON object per line")
-    p.add_argument("--out", required=True, metavar="FILE", help="output JSONL file")
-    p.add_argument("--spec", default=rollout.spec, choices=["off", "eagle", "ngram", "adaptive"])
-    p.add_argument("--drafter", metavar="DIR", help="EAGLE drafter directory")
-    p.add_argument("--temperature", type=float, default=rollout.temperature)
-    p.add_argument("--top-p", type=float, default=rollout.top_p)
-    p.add_argument("--top-k", type=int, default=rollout.top_k, help="0 disables top-k")
-    p.add_argument("--max-new-tokens", type=int, default=rollout.max_new_tokens)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n", type=int, default=1, metavar="SAMPLES", help="samples per prompt")
+    # The flags live beside the command's body so they cannot drift apart.
+    from megatron_tlt.rollout.cli import add_generate_args
+
+    add_generate_args(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("convert", help="checkpoint conversion between HF and Megatron-Core")

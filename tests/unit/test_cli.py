@@ -209,7 +209,9 @@ def test_convert_arguments_reach_the_functions(fake_module):
 
 def test_generate_defaults_and_passthrough(fake_module):
     seen = []
-    fake_module("megatron_tlt.rollout.cli", main=lambda args: seen.append(args))
+    from megatron_tlt.rollout.cli import add_generate_args
+
+    fake_module("megatron_tlt.rollout.cli", main=lambda args: seen.append(args), add_generate_args=add_generate_args)
     fake_module("megatron_tlt.bench", main=lambda args: seen.append(args))
     assert cli.main(["generate", "--model", "M", "--prompts", "p.jsonl", "--out", "o.jsonl", "--top-k", "4"]) == 0
     args = seen.pop()

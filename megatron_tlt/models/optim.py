@@ -1,0 +1,199 @@
+"""The actor's optimizer behind one interface: ours on CPU, Megatron's on GPU.
+
+Megatron-Core's distributed optimizer refuses CPU tensors, and its DDP needs
+`clip_grad=0` on a CPU, so:
+
+- `LocalAdamW` (CPU, or GPU when asked): plain `torch.optim.AdamW` over this rank's
+  parameters, with the collectives a Megatron step performs done by hand: sum the
+  gradients of TP-replicated weights that each TP rank sees only part of (QK-norm
+  weights: each rank normalises only its own heads; norms under sequence
+  parallelism), average gradients over the data-parallel group, sum the tied embedding/output
+  gradients over the embedding group (PP>1), and compute the global gradient norm
+  over the model-parallel group counting each TP shard once (duplicated norm weights
+  on one TP rank only; the pipeline copy of a tied embedding once).
+- `MegatronAdamW` (GPU): Megatron's DDP + distributed optimizer (ZeRO-1 sharding of
+  the fp32 master weights and Adam state over data parallel).
+
+Both: AdamW (decoupled weight decay), no weight decay on 1-D parameters (norms,
+biases), as Megatron does. tests/gpu/test_optim_gpu.py shows they give the same
+update on a tiny model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimSettings:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+
+def _param_groups(params, weight_decay: float):
+    decay, no_decay = [], []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim == 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class ActorOptimizer:
+    """Interface: the RL loop and SFT call only these."""
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def step(self) -> dict:
+        """Apply one update from the accumulated gradients. Returns {"grad_norm", "skipped"}."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def set_lr(self, lr: float) -> None:
+        raise NotImplementedError
+
+
+class LocalAdamW(ActorOptimizer):
+    def __init__(self, model: torch.nn.Module, s: OptimSettings):
+        self.model = model
+        self.settings = s
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        seq_par = getattr(getattr(model, "config", None), "sequence_parallel", False)
+        self.tp_partial = [p for n, p in model.named_parameters() if p.requires_grad and (
+            "q_layernorm" in n or "k_layernorm" in n or (seq_par and getattr(p, "sequence_parallel", False)))]
+        self.opt = torch.optim.AdamW(_param_groups(self.params, s.weight_decay), lr=s.lr,
+                                     betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
+                                     foreach=False)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _sync_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        for p in self.params:  # a parameter that got no gradient contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            for p in self.tp_partial:
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        dp = ps.get_data_parallel_world_size()
+        if dp > 1:
+            group = ps.get_data_parallel_group()
+            for p in self.params:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(dp)
+        if ps.get_pipeline_model_parallel_world_size() > 1 and getattr(self.model, "share_embeddings_and_output_weights", False):
+            if ps.is_rank_in_embedding_group():
+                w = self.model.shared_embedding_or_output_weight()
+                dist.all_reduce(w.grad, group=ps.get_embedding_group())
+
+    def grad_norm(self) -> float:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        for p in self.params:
+            if getattr(p, "shared", False) and not ps.is_pipeline_first_stage():
+                continue  # the last stage's copy of a tied embedding: counted on the first stage
+            if not param_is_not_tensor_parallel_duplicate(p):
+                continue
+            sq += p.grad.double().pow(2).sum()
+        if dist.is_initialized():
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return math.sqrt(sq.item())
+
+    def step(self) -> dict:
+        self._sync_grads()
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return {"grad_norm": norm, "skipped": True}
+        clip = self.settings.clip_grad
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            for p in self.params:
+                p.grad.mul_(coef)
+        self.opt.step()
+        return {"grad_norm": norm, "skipped": False}
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+
+class MegatronAdamW(ActorOptimizer):
+    """Megatron DDP + distributed optimizer (GPU only). Wraps `actor.model` in DDP."""
+
+    def __init__(self, actor, s: OptimSettings):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("MegatronAdamW needs CUDA; use LocalAdamW on CPU")
+        cfg = actor.config
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=True)
+        actor.model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=actor.model)
+        cfg.finalize_model_grads_func = finalize_model_grads
+        cfg.no_sync_func = actor.model.no_sync
+        ocfg = OptimizerConfig(optimizer="adam", lr=s.lr, weight_decay=s.weight_decay,
+                               adam_beta1=s.adam_beta1, adam_beta2=s.adam_beta2, adam_eps=s.adam_eps,
+                               clip_grad=s.clip_grad, bf16=cfg.bf16, fp16=cfg.fp16,
+                               params_dtype=cfg.params_dtype, use_distributed_optimizer=True)
+        self.actor = actor
+        self.settings = s
+        self.opt = get_megatron_optimizer(ocfg, [actor.model])
+
+    def zero_grad(self) -> None:
+        self.actor.model.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self) -> dict:
+        ok, norm, _ = self.opt.step()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "skipped": not ok}
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+
+def build_optimizer(actor, s: OptimSettings, kind: Optional[str] = None) -> ActorOptimizer:
+    """kind: 'local' | 'megatron' | None (megatron on GPU, local on CPU)."""
+    if kind is None:
+        kind = "megatron" if torch.cuda.is_available() else "local"
+    if kind == "megatron":
+        return MegatronAdamW(actor, s)
+    if kind == "local":
+        return LocalAdamW(actor.model, s)
+    raise ValueError(f"optimizer kind must be 'local' or 'megatron', got {kind!r}")

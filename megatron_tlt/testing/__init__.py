@@ -1,0 +1,1 @@
+"""Helpers shared by tests and examples: tiny HF models built locally (no downloads)."""
