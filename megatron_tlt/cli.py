@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import warnings
 import os
 import sys
 from typing import Any, Callable
@@ -48,6 +49,16 @@ def setup_logging(level: str = "INFO") -> None:
         stream=sys.stderr,
         force=True,
     )
+    # Megatron-Core and torch.distributed.checkpoint are chatty at INFO and warn on every
+    # import about optional packages (TE, apex) and their own deprecations; users asked
+    # for our progress, not theirs. --log-level DEBUG brings them back.
+    if logging.getLogger().level > logging.DEBUG:
+        for name in ("megatron", "torch.distributed.checkpoint"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        for module in (r"megatron\..*", r"torch\.distributed\.checkpoint\..*", r"transformers\..*"):
+            warnings.filterwarnings("ignore", category=UserWarning, module=module)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
 
 
 def _resolve(command: str, target: str) -> Callable[..., Any]:
@@ -100,6 +111,10 @@ def _cmd_convert(args: argparse.Namespace) -> Any:
     if args.direction == "hf-to-mcore":
         return _resolve(command, "megatron_tlt.convert:hf_to_mcore")(args.hf, args.out, args.tp, args.pp)
     return _resolve(command, "megatron_tlt.convert:mcore_to_hf")(args.mcore, args.out)
+
+
+def _cmd_eval(args: argparse.Namespace) -> Any:
+    return _resolve("eval", "megatron_tlt.evaluate:main")(args)
 
 
 def _cmd_export_drafter(args: argparse.Namespace) -> Any:
@@ -168,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mcore", required=True, metavar="DIR")
     c.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("eval", help="exact-answer rate on held-out synthetic prompts (greedy)")
+    from megatron_tlt.evaluate import add_eval_args
+
+    add_eval_args(p)
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("export-drafter", help="export the drafter in HF EAGLE layout")
     p.add_argument("--ckpt", required=True, metavar="DIR", help="training checkpoint directory")

@@ -163,31 +163,37 @@ def hf_to_mcore(arch: ModelArch, name: str, get_hf: Callable[[str], torch.Tensor
     raise KeyError(f"no HF mapping for Megatron tensor {name!r}")
 
 
+def layer_mcore_to_hf(arch: ModelArch, i: int,
+                      get_mc: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of layer i, from that layer's Megatron local-spec tensors."""
+    p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    yield p + "input_layernorm.weight", get_mc(m + "input_layernorm.weight")
+    q, k, vv = split_qkv(arch, get_mc(m + "self_attention.linear_qkv.weight"))
+    yield p + "self_attn.q_proj.weight", q
+    yield p + "self_attn.k_proj.weight", k
+    yield p + "self_attn.v_proj.weight", vv
+    if arch.qkv_bias:
+        qb, kb, vb = split_qkv(arch, get_mc(m + "self_attention.linear_qkv.bias"))
+        yield p + "self_attn.q_proj.bias", qb
+        yield p + "self_attn.k_proj.bias", kb
+        yield p + "self_attn.v_proj.bias", vb
+    if arch.qk_norm:
+        yield p + "self_attn.q_norm.weight", get_mc(m + "self_attention.q_layernorm.weight")
+        yield p + "self_attn.k_norm.weight", get_mc(m + "self_attention.k_layernorm.weight")
+    yield p + "self_attn.o_proj.weight", get_mc(m + "self_attention.linear_proj.weight")
+    yield p + "post_attention_layernorm.weight", get_mc(m + "pre_mlp_layernorm.weight")
+    gate, up = torch.chunk(get_mc(m + "mlp.linear_fc1.weight"), 2, dim=0)
+    yield p + "mlp.gate_proj.weight", gate.contiguous()
+    yield p + "mlp.up_proj.weight", up.contiguous()
+    yield p + "mlp.down_proj.weight", get_mc(m + "mlp.linear_fc2.weight")
+
+
 def mcore_to_hf(arch: ModelArch, get_mc: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every HF tensor, from Megatron local-spec tensors."""
     v = arch.vocab_size
     yield "model.embed_tokens.weight", get_mc("embedding.word_embeddings.weight")[:v]
     for i in range(arch.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        yield p + "input_layernorm.weight", get_mc(m + "input_layernorm.weight")
-        q, k, vv = split_qkv(arch, get_mc(m + "self_attention.linear_qkv.weight"))
-        yield p + "self_attn.q_proj.weight", q
-        yield p + "self_attn.k_proj.weight", k
-        yield p + "self_attn.v_proj.weight", vv
-        if arch.qkv_bias:
-            qb, kb, vb = split_qkv(arch, get_mc(m + "self_attention.linear_qkv.bias"))
-            yield p + "self_attn.q_proj.bias", qb
-            yield p + "self_attn.k_proj.bias", kb
-            yield p + "self_attn.v_proj.bias", vb
-        if arch.qk_norm:
-            yield p + "self_attn.q_norm.weight", get_mc(m + "self_attention.q_layernorm.weight")
-            yield p + "self_attn.k_norm.weight", get_mc(m + "self_attention.k_layernorm.weight")
-        yield p + "self_attn.o_proj.weight", get_mc(m + "self_attention.linear_proj.weight")
-        yield p + "post_attention_layernorm.weight", get_mc(m + "pre_mlp_layernorm.weight")
-        gate, up = torch.chunk(get_mc(m + "mlp.linear_fc1.weight"), 2, dim=0)
-        yield p + "mlp.gate_proj.weight", gate.contiguous()
-        yield p + "mlp.up_proj.weight", up.contiguous()
-        yield p + "mlp.down_proj.weight", get_mc(m + "mlp.linear_fc2.weight")
+        yield from layer_mcore_to_hf(arch, i, get_mc)
     yield "model.norm.weight", get_mc("decoder.final_layernorm.weight")
     if not arch.tie_word_embeddings:
         yield "lm_head.weight", get_mc("output_layer.weight")[:v]

@@ -168,6 +168,9 @@ class MegatronAdamW(ActorOptimizer):
         self.actor = actor
         self.settings = s
         self.opt = get_megatron_optimizer(ocfg, [actor.model])
+        # Megatron leaves per-group weight decay and lr to its OptimizerParamScheduler
+        # (wd_mult = 0 for 1-D params); without it every group would decay. Set them here.
+        self.set_lr(s.lr)
 
     def zero_grad(self) -> None:
         self.actor.model.zero_grad_buffer()
@@ -185,7 +188,8 @@ class MegatronAdamW(ActorOptimizer):
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+            g["weight_decay"] = self.settings.weight_decay * g.get("wd_mult", 1.0)
 
 
 def build_optimizer(actor, s: OptimSettings, kind: Optional[str] = None) -> ActorOptimizer:

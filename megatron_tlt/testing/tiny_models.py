@@ -36,7 +36,7 @@ def make_tiny_hf(path: str, family: str = "llama", seed: int = 0, dtype=torch.fl
 
     cfg = tiny_hf_config(family, **kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with torch.no_grad():  # HF zero-inits biases and sets norms to 1: randomise all
         for p in model.parameters():
             p.normal_(0.0, 0.2)

@@ -1,0 +1,1 @@
+"""Actor -> engine weight resharding and in-place updates."""

@@ -1,0 +1,171 @@
+"""Actor -> rollout engine weight sync: gather TP shards and PP stages, write in place.
+
+The actor is a Megatron-Core model sharded TP x PP; the engine holds the whole model in
+HF naming (fused QKV / gate_up inside it). One sync streams the model in buckets of one
+transformer layer (plus the embedding, final norm and head): each PP stage gathers its
+layer's TP shards, broadcasts the bucket to the other stages over the PP group, and every
+rank maps it to HF names and copies it into its engine's existing tensors
+(`EngineWeights.update_weights`): storage addresses never change, so captured CUDA
+graphs stay valid, and no full extra copy of the model is ever held.
+
+Collective over the whole model-parallel group: every TP and PP rank must call it
+(engines may be `None` on ranks that host none).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_tlt.models import hf_mapping
+from megatron_tlt.models.arch import ModelArch
+
+_NON_LAYER = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
+
+
+def _tp_gather(name: str, p: torch.Tensor) -> torch.Tensor:
+    """The full (TP-unsharded) tensor, on every TP rank."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(p, "tensor_model_parallel", False):
+        return p.detach()
+    dim = getattr(p, "partition_dim", 0)
+    shards = [torch.empty_like(p) for _ in range(tp)]
+    dist.all_gather(shards, p.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    if name.endswith("mlp.linear_fc1.weight"):
+        # Each rank holds [gate_r; up_r]: the global layout is [gate; up].
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def _stage_buckets(model, arch: ModelArch) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """This stage's parameters, TP-gathered, keyed by global Megatron name, in buckets."""
+    params = dict(model.named_parameters())
+    buckets: list[tuple[str, dict[str, torch.Tensor]]] = []
+    decoder = getattr(model, "decoder", None)
+    first = {}
+    if "embedding.word_embeddings.weight" in params and getattr(model, "pre_process", False):
+        first["embedding.word_embeddings.weight"] = _tp_gather("embedding.word_embeddings.weight",
+                                                               params["embedding.word_embeddings.weight"])
+    if first:
+        buckets.append(("embedding", first))
+    if decoder is not None:
+        for local_i, layer in enumerate(decoder.layers):
+            gi = layer.layer_number - 1
+            prefix = f"decoder.layers.{local_i}."
+            bucket = {}
+            for n, p in params.items():
+                if n.startswith(prefix):
+                    gname = f"decoder.layers.{gi}." + n[len(prefix):]
+                    bucket[hf_mapping.local_name(gname)] = _tp_gather(n, p)
+            buckets.append((f"layer{gi}", bucket))
+    last = {}
+    if getattr(model, "post_process", False):
+        last["decoder.final_layernorm.weight"] = params["decoder.final_layernorm.weight"].detach()
+        if not arch.tie_word_embeddings:
+            last["output_layer.weight"] = _tp_gather("output_layer.weight", params["output_layer.weight"])
+    if last:
+        buckets.append(("head", last))
+    return buckets
+
+
+def _broadcast_bucket(bucket: Optional[dict[str, torch.Tensor]], src_global: int, group, device) -> dict:
+    """Broadcast a bucket (names, shapes, dtypes, then one flat buffer per dtype)."""
+    meta = [None]
+    if bucket is not None:
+        meta = [[(n, tuple(t.shape), t.dtype) for n, t in bucket.items()]]
+    dist.broadcast_object_list(meta, src=src_global, group=group)
+    entries = meta[0]
+    out: dict[str, torch.Tensor] = {}
+    for dtype in sorted({e[2] for e in entries}, key=str):
+        sel = [e for e in entries if e[2] == dtype]
+        numel = sum(torch.Size(s).numel() for _, s, _ in sel)
+        if bucket is not None:
+            flat = torch.cat([bucket[n].reshape(-1) for n, _, _ in sel]).to(device)
+        else:
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        dist.broadcast(flat, src=src_global, group=group)
+        off = 0
+        for n, s, _ in sel:
+            k = torch.Size(s).numel()
+            out[n] = flat[off:off + k].view(s)
+            off += k
+    return out
+
+
+def iter_hf_buckets(actor) -> Iterator[dict[str, torch.Tensor]]:
+    """Collective: yields, on every rank, the whole model as HF-named buckets."""
+    from megatron.core import parallel_state as ps
+
+    arch: ModelArch = actor.arch
+    model = actor.model.module if hasattr(actor.model, "module") else actor.model
+    pp = ps.get_pipeline_model_parallel_world_size()
+    mine = _stage_buckets(model, arch)
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group) if pp > 1 else [dist.get_rank() if dist.is_initialized() else 0]
+    my_stage = ps.get_pipeline_model_parallel_rank()
+    device = actor.device
+    for stage in range(pp):
+        if pp > 1:
+            # How many buckets this stage sends, so every rank loops the same number of times.
+            count = [len(mine) if stage == my_stage else 0]
+            count_t = torch.tensor(count, device=device)
+            dist.broadcast(count_t, src=ranks[stage], group=group)
+            n_buckets = int(count_t.item())
+        else:
+            n_buckets = len(mine)
+        for b in range(n_buckets):
+            if pp > 1:
+                local = mine[b][1] if stage == my_stage else None
+                bucket = _broadcast_bucket(local, ranks[stage], group, device)
+            else:
+                bucket = mine[b][1]
+            yield _to_hf(arch, bucket)
+
+
+def _to_hf(arch: ModelArch, bucket: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    layers = sorted({int(n.split(".")[2]) for n in bucket if n.startswith("decoder.layers.")})
+    for i in layers:
+        out.update(hf_mapping.layer_mcore_to_hf(arch, i, bucket.__getitem__))
+    v = arch.vocab_size
+    if "embedding.word_embeddings.weight" in bucket:
+        out["model.embed_tokens.weight"] = bucket["embedding.word_embeddings.weight"][:v]
+    if "decoder.final_layernorm.weight" in bucket:
+        out["model.norm.weight"] = bucket["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in bucket:
+        out["lm_head.weight"] = bucket["output_layer.weight"][:v]
+    return out
+
+
+@torch.no_grad()
+def sync_actor_to_engine(actor, engine, version: int) -> dict:
+    """Copy the actor's weights into `engine` (None on ranks without one) in place.
+
+    Returns {"seconds", "bytes", "gb_per_s", "tensors"}; the engine's policy version
+    becomes `version` once every bucket is written.
+    """
+    t0 = time.perf_counter()
+    nbytes = ntensors = 0
+    seen: set[str] = set()
+    for bucket in iter_hf_buckets(actor):
+        if engine is not None:
+            engine.update_weights(bucket, version=engine.policy_version)
+        nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+        ntensors += len(bucket)
+        seen.update(bucket)
+    if engine is not None:
+        expected = set(hf_mapping.hf_names(actor.arch))
+        if seen != expected:
+            missing = sorted(expected - seen)[:3]
+            raise RuntimeError(f"weight sync covered {len(seen)} of {len(expected)} tensors; missing e.g. {missing}")
+        engine.update_weights({}, version=version)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / dt / 1e9 if dt > 0 else 0.0, "tensors": ntensors}
