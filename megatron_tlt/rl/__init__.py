@@ -1,0 +1,1 @@
+"""The RL algorithms (GRPO advantages, PPO-family losses) and, later, the RL loop."""
