@@ -1,0 +1,158 @@
+"""The pieces of one RL step between the rollout engine and the Megatron actor.
+
+Plain data in, plain data out, so each piece is testable alone:
+- `RolloutBatch`: what rollouts produced (tokens, the engine's log-probs, rewards);
+- `make_microbatches`: pack it into fixed-shape Megatron micro-batches;
+- `actor_logprobs`: the actor's per-token log-probs (old/reference log-probs);
+- `policy_update`: PPO-family loss over the micro-batches and one optimizer step.
+
+Alignment: a row is prompt + response; `tokens = row[:-1]`, `labels = row[1:]`, and
+`loss_mask` is 1 where the label is a response token, so position t scores response
+token t+1 under the context up to t.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_tlt.models import mcore
+from megatron_tlt.models.actor import Actor, MicroBatch, token_logprobs
+from megatron_tlt.rl.losses import PPOLossConfig, ppo_loss
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    prompt_ids: list[str]
+    sample_indices: list[int]
+    prompt_tokens: list[list[int]]
+    response_tokens: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    """The engine's log-probs of each response token (same distribution as the actor's)."""
+    rewards: torch.Tensor  # [n] float
+    advantages: Optional[torch.Tensor] = None  # [n] float
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(pick(self.prompt_ids), pick(self.sample_indices), pick(self.prompt_tokens),
+                            pick(self.response_tokens), pick(self.rollout_logprobs), self.rewards[idx],
+                            None if self.advantages is None else self.advantages[idx])
+
+    @classmethod
+    def make_dummy(cls, n: int = 4, vocab: int = 50, seed: int = 0) -> "RolloutBatch":
+        g = torch.Generator().manual_seed(seed)
+        pl = torch.randint(2, 6, (n,), generator=g).tolist()
+        rl = torch.randint(1, 7, (n,), generator=g).tolist()
+        return cls([f"p{i // 2}" for i in range(n)], [i % 2 for i in range(n)],
+                   [torch.randint(0, vocab, (k,), generator=g).tolist() for k in pl],
+                   [torch.randint(0, vocab, (k,), generator=g).tolist() for k in rl],
+                   [[-1.0] * k for k in rl], torch.rand(n, generator=g), torch.randn(n, generator=g))
+
+
+def make_microbatches(batch: RolloutBatch, *, seq_length: int, micro_batch_size: int,
+                      pad_id: int = 0) -> list[MicroBatch]:
+    """Fixed [micro_batch_size, seq_length] micro-batches (rows padded with `pad_id`,
+    padded rows added to fill the last micro-batch carry an all-zero loss mask).
+    extra: "advantages" [b], "rollout_logp" [b, s], "row" [b] (index into batch, -1 pad)."""
+    n = len(batch)
+    if n == 0:
+        raise ValueError("empty rollout batch")
+    rows = []
+    for i in range(n):
+        full = batch.prompt_tokens[i] + batch.response_tokens[i]
+        if len(full) - 1 > seq_length:
+            raise ValueError(f"sample {batch.prompt_ids[i]}/{batch.sample_indices[i]}: prompt + response "
+                             f"({len(full)} tokens) exceeds seq_length + 1 ({seq_length + 1})")
+        rows.append(full)
+    num_mb = -(-n // micro_batch_size)
+    out = []
+    for m in range(num_mb):
+        idx = list(range(m * micro_batch_size, min(n, (m + 1) * micro_batch_size)))
+        b = micro_batch_size
+        tokens = torch.full((b, seq_length), pad_id, dtype=torch.long)
+        labels = torch.full((b, seq_length), pad_id, dtype=torch.long)
+        mask = torch.zeros(b, seq_length)
+        rlogp = torch.zeros(b, seq_length)
+        adv = torch.zeros(b)
+        row_ids = torch.full((b,), -1, dtype=torch.long)
+        for j, i in enumerate(idx):
+            full = rows[i]
+            L = len(full) - 1
+            tokens[j, :L] = torch.tensor(full[:-1])
+            labels[j, :L] = torch.tensor(full[1:])
+            p = len(batch.prompt_tokens[i])
+            r = len(batch.response_tokens[i])
+            mask[j, p - 1:p - 1 + r] = 1.0
+            if batch.rollout_logprobs[i]:
+                rlogp[j, p - 1:p - 1 + r] = torch.tensor(batch.rollout_logprobs[i][:r])
+            if batch.advantages is not None:
+                adv[j] = batch.advantages[i]
+            row_ids[j] = i
+        out.append(MicroBatch(tokens=tokens, position_ids=mcore.causal_position_ids(b, seq_length),
+                              labels=labels, loss_mask=mask,
+                              extra={"advantages": adv, "rollout_logp": rlogp, "row": row_ids}))
+    return out
+
+
+@torch.no_grad()
+def actor_logprobs(actor: Actor, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
+    """Per-token log-probs [b, s] of each micro-batch (last pipeline stage; None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    arch = actor.arch
+
+    def loss_fn(logits, mb):
+        lp = token_logprobs(logits, mb.labels.to(logits.device), arch)
+        return lp.sum() * 0, {"logp": lp.detach().float().cpu()}
+
+    out = actor.forward_backward(mbs, loss_fn, forward_only=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    return [o["logp"] for o in out]
+
+
+def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Optional[list[torch.Tensor]],
+                  cfg: PPOLossConfig, *, ref_logps: Optional[list[torch.Tensor]] = None,
+                  global_tokens: Optional[float] = None, global_seqs: Optional[float] = None) -> dict:
+    """One optimizer step of the PPO-family loss over `mbs`. `old_logps`/`ref_logps` are
+    needed on the last pipeline stage only. `global_tokens`/`global_seqs`: the counts over
+    the whole step (all micro-batches and DP ranks) the loss is normalised by."""
+    from megatron.core import parallel_state as ps
+
+    arch = actor.arch
+    num_mb = len(mbs)
+    dp = ps.get_data_parallel_world_size()
+    norm = global_tokens if cfg.aggregation == "token" else global_seqs
+
+    def loss_fn(logits, mb):
+        k = mb.extra["index"]
+        lp = token_logprobs(logits, mb.labels.to(logits.device), arch)
+        dev = lp.device
+        mask = mb.loss_mask.to(dev)
+        old = old_logps[k].to(dev)
+        ref = ref_logps[k].to(dev) if ref_logps is not None else None
+        loss, metrics = ppo_loss(lp, old, mb.extra["advantages"].to(dev), mask, cfg, ref_logp=ref,
+                                 normalizer=norm)
+        # Megatron divides each micro-batch loss by num_microbatches and DDP averages over
+        # DP; undo both so the summed gradient is that of the global mean.
+        scaled = loss * (num_mb * dp if norm is not None else 1.0)
+        # Mean negative log-prob of the sampled tokens: an unbiased estimate of the policy's
+        # entropy on on-policy samples (the exact one needs a vocab-parallel reduction).
+        metrics["entropy_est"] = (-(lp * mask).sum() / mask.sum().clamp(min=1)).detach()
+        return scaled, metrics
+
+    for k, mb in enumerate(mbs):
+        mb.extra["index"] = k
+    optimizer.zero_grad()
+    outs = actor.forward_backward(mbs, loss_fn)
+    stats = optimizer.step()
+    metrics = {"grad_norm": stats["grad_norm"], "update_skipped": stats["skipped"]}
+    if outs:
+        for key in outs[0]:
+            metrics[key] = float(torch.stack([torch.as_tensor(o[key]).float() for o in outs]).mean())
+    return metrics
