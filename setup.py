@@ -80,7 +80,8 @@ setup(
         "psutil",  # Megatron dist-checkpoint writer
     ],
     extras_require={
-        "dev": ["pytest", "scipy"],
+        "dev": ["pytest", "scipy", "matplotlib"],
+        "plot": ["matplotlib"],
         "te": ["transformer-engine[pytorch]"],
         "vllm": ["vllm"],
     },
