@@ -116,8 +116,14 @@ BACKENDS = {"torch": TorchPagedAttention}
 
 
 def make_backend(name: str, **kwargs):
+    if name == "triton":  # imported on demand: needs triton (a GPU, or TRITON_INTERPRET=1)
+        try:
+            from megatron_tlt.rollout.triton_attention import TritonPagedAttention
+        except ImportError as e:
+            raise ValueError(f"attention backend 'triton' needs the triton package ({e})") from None
+        return TritonPagedAttention(**kwargs)
     try:
         return BACKENDS[name](**kwargs)
     except KeyError:
         raise ValueError(f"attention backend {name!r} is not available "
-                         f"(available: {', '.join(BACKENDS)})") from None
+                         f"(available: {', '.join(BACKENDS)}, triton)") from None

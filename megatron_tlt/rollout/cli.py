@@ -11,6 +11,15 @@ tokenizer), logprobs (log_softmax(logits / T) of each token, before top-k/top-p)
 finish_reason, stop_reason, policy_version, spec (speculative-decoding stats; empty while
 --spec is off) and error (null, or why this request was rejected).
 
+Speculative decoding (lossless: the same tokens as --spec off in greedy mode, the same
+distribution otherwise): --spec eagle --drafter DIR (a drafter from
+`python -m megatron_tlt.spec.train_drafter` or `megatron-tlt export-drafter`) or --spec
+ngram (model-free suffix matching against the prompt, the other samples of the prompt and
+earlier responses). --spec-depth/--spec-topk/--spec-num-verify set the draft tree (topk 1:
+chain); --spec-threshold N speculates only while at most N sequences run. Per request,
+`spec` holds drafted/accepted/num_drafts/acceptance_rate/acceptance_length/fallbacks;
+a summary by batch-size bucket goes to stderr and, with --spec-summary FILE, to JSON.
+
 A malformed line stops the run before any work, naming the line; a well-formed but bad
 request (empty prompt, token outside the vocabulary, too long, n < 1) gets an error line
 and the others still run; the exit status is then 1.
@@ -47,8 +56,18 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--spec", choices=SPEC_CHOICES, default="off",
-                   help="speculative decoding (only off for now)")
+                   help="speculative decoding: off, eagle (needs --drafter) or ngram (adaptive: not yet)")
     g.add_argument("--drafter", default=None, help="drafter directory (for --spec eagle/adaptive)")
+    g.add_argument("--spec-depth", type=int, default=4, help="draft tokens along the longest path")
+    g.add_argument("--spec-topk", type=int, default=1, help="children per tree node (1 = chain)")
+    g.add_argument("--spec-num-verify", type=int, default=None,
+                   help="tree nodes verified per step, root included (default: depth + 1 for a "
+                        "chain, 1 + depth * topk for a tree)")
+    g.add_argument("--spec-threshold", type=int, default=None,
+                   help="speculate only while the running batch is <= this (default: always)")
+    g.add_argument("--spec-ngram", type=int, default=4, help="longest suffix matched by --spec ngram")
+    g.add_argument("--spec-summary", default=None, metavar="FILE",
+                   help="write speculative-decoding stats by batch-size bucket as JSON")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None,
@@ -141,10 +160,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.weights import load_hf
 
     spec = _arg(args, "spec", "off")
-    if spec != "off":
-        raise TLTError(f"--spec {spec} is not available yet (only --spec off)")
-    if _arg(args, "drafter", None):
-        raise TLTError("--drafter is not available yet (it needs --spec eagle/adaptive)")
+    strategy = _spec_strategy(args, spec)
     n = args.n
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
@@ -193,14 +209,17 @@ def main(args: argparse.Namespace) -> int:
     max_num_seqs = _arg(args, "max_num_seqs", 64)
     num_blocks = _arg(args, "num_blocks", None)
     if num_blocks is None:
-        per = sorted((-(-min(len(r.prompt_token_ids) + params.max_new_tokens, max_model_len) // block_size)
-                      for r in requests), reverse=True) or [1]
+        extra = 0 if strategy is None else strategy.num_draft_nodes + 1  # room for a draft tree
+        per = sorted((-(-min(len(r.prompt_token_ids) + params.max_new_tokens + extra, max_model_len)
+                        // block_size) for r in requests), reverse=True) or [1]
         num_blocks = max(1, sum(per[:max_num_seqs]))
     engine = RolloutEngine(arch, weights, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                            block_size=block_size, dtype=_DTYPES[dtype_name], device=device,
                            max_model_len=max_model_len, eos_token_ids=_eos_ids(args.model, tokenizer),
                            detokenize=(lambda t: tokenizer.decode(t, skip_special_tokens=True))
                            if tokenizer is not None else None, seed=args.seed)
+    if strategy is not None:
+        engine.spec_decoder = _spec_decoder(args, spec, strategy, arch, weights)
 
     bar = tqdm(total=len(requests), unit="req", desc="generate", dynamic_ncols=True)
 
@@ -237,8 +256,66 @@ def main(args: argparse.Namespace) -> int:
                 print(f"warning: {line['error']}", file=sys.stderr)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(tmp, args.out)
+    if engine.spec_decoder is not None:
+        _report_spec(args, engine.spec_decoder.metrics.summary())
     if num_errors:
         print(f"{num_errors} of {len(slots)} output lines are rejected requests (see 'error' in {args.out})",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _spec_strategy(args, spec: str):
+    """The draft Strategy (None for --spec off), checked before any work."""
+    from megatron_tlt.spec.tree import Strategy
+
+    drafter = _arg(args, "drafter", None)
+    if spec == "off":
+        if drafter:
+            raise TLTError("--drafter needs --spec eagle (speculative decoding is off)")
+        return None
+    if spec == "adaptive":
+        raise TLTError("--spec adaptive is not available yet (use eagle or ngram)")
+    if spec == "eagle" and not drafter:
+        raise TLTError("--spec eagle needs --drafter DIR")
+    if spec == "ngram" and drafter:
+        raise TLTError("--drafter is not used by --spec ngram (model-free)")
+    threshold = _arg(args, "spec_threshold", None)
+    if threshold is not None and threshold < 0:
+        raise TLTError(f"--spec-threshold must be >= 0, got {threshold}")
+    ngram = _arg(args, "spec_ngram", 4)
+    if ngram < 1:
+        raise TLTError(f"--spec-ngram must be >= 1, got {ngram}")
+    try:
+        return Strategy(depth=_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
+                        num_verify_tokens=_arg(args, "spec_num_verify", None))
+    except TLTError as e:
+        raise TLTError(f"--spec flags: {e}") from None
+
+
+def _spec_decoder(args, spec, strategy, arch, weights):
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    if spec == "eagle":
+        from megatron_tlt.spec.eagle import EagleProposer
+        from megatron_tlt.spec.export import load_drafter
+        drafter = EagleProposer(load_drafter(args.drafter, arch, weights.embed, weights.lm_head,
+                                             dtype=weights.dtype, device=weights.device))
+    else:
+        from megatron_tlt.spec.ngram import NgramDrafter
+        drafter = NgramDrafter(max_ngram=_arg(args, "spec_ngram", 4))
+    return SpecDecoder(drafter, strategy, threshold=_arg(args, "spec_threshold", None))
+
+
+def _report_spec(args, summary: dict) -> None:
+    t = summary["total"]
+    rate = "n/a" if t["acceptance_rate"] is None else f"{t['acceptance_rate']:.3f}"
+    length = "n/a" if t["acceptance_length"] is None else f"{t['acceptance_length']:.3f}"
+    print(f"spec {args.spec}: acceptance rate {rate}, acceptance length {length} "
+          f"({t['num_drafts']} verifications, {t['fallbacks']} fallbacks)", file=sys.stderr)
+    path = _arg(args, "spec_summary", None)
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        os.replace(tmp, path)

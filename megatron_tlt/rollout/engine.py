@@ -12,7 +12,13 @@ that a speculative-decoding step reuses (draft -> `verify_forward` -> accept ->
   with an explicit mask among them and full attention to the committed prefix; their KV
   is written to the Q cache positions after the committed ones, uncommitted;
 - `commit_kv(seq, accepted)`: move the accepted entries to contiguous positions and
-  drop the rest.
+  drop the rest;
+- `append_token(seq, token, logprob, processed_logprob)`: append one token and run the
+  stop checks (shared by the plain and the speculative step).
+
+Speculative decoding plugs in as `spec_decoder` (megatron_tlt.spec.decode.SpecDecoder):
+when set, each step's sequences go through `spec_decoder.step(engine, seqs)`, which
+decodes some plainly (the two calls above) and speculates on the others.
 
 Bad requests are rejected one by one (`Result.error`, `finish_reason="error"`), before any
 work starts, and never affect the other requests of the batch.
@@ -59,7 +65,8 @@ class RolloutEngine:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  eos_token_ids: Seq[int] = (), detokenize: Callable[[list[int]], str] | None = None,
                  seed: int = 0, attention_backend: str = "torch",
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, spec_decoder=None,
+                 cuda_graphs: bool = False, cuda_graph_batch_sizes: Seq[int] | None = None):
         """
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
         max_num_batched_tokens: prefill token budget per step (a lone prompt may exceed it).
@@ -68,6 +75,9 @@ class RolloutEngine:
         seed: used by requests whose SamplingParams.seed is None.
         batch_invariant: fixed-shape matmul tiles so tokens do not depend on the batch
             (default: on for CPU).
+        spec_decoder: a megatron_tlt.spec.decode.SpecDecoder (None: plain decoding).
+        cuda_graphs: decode steps replay CUDA graphs (needs attention_backend="triton" on
+            CUDA); cuda_graph_batch_sizes: the graph buckets (default 1, 2, 4, ..., 128).
         """
         device = torch.device(device)
         if weights.dtype != dtype:
@@ -102,9 +112,23 @@ class RolloutEngine:
         self.cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
                                   head_dim=arch.head_dim, num_blocks=num_blocks,
                                   block_size=block_size, dtype=dtype, device=device)
+        self.decode_runner = None
+        """GPU decode fast path (rollout/cuda_graphs.py), with attention_backend="triton"."""
+        if attention_backend == "triton":
+            from megatron_tlt.rollout.cuda_graphs import DecodeRunner
+            self.decode_runner = DecodeRunner(self.model, self.cache, max_num_seqs=max_num_seqs,
+                                              max_model_len=max_model_len, use_graphs=cuda_graphs,
+                                              batch_sizes=cuda_graph_batch_sizes)
+        elif cuda_graphs:
+            raise ConfigError(f"cuda_graphs=True needs attention_backend='triton', "
+                              f"got {attention_backend!r}")
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self._seq_ids = itertools.count()
+        self.spec_decoder = spec_decoder
+        self._spec_strategy = None  # per-generate-call override of the decoder's policy
+        self.num_appended = 0
+        """Tokens appended by this engine so far (all requests, all calls)."""
 
     # ---- weights and memory -----------------------------------------------------------
 
@@ -117,7 +141,10 @@ class RolloutEngine:
         self.weights.update_weights(named_tensors, version)
 
     def sleep(self) -> None:
-        """Release the KV cache memory (only between generate calls)."""
+        """Release the KV cache memory (only between generate calls). Decode CUDA graphs
+        hold the pool's address: they are dropped here and recaptured at the next decode."""
+        if self.decode_runner is not None:
+            self.decode_runner.release()
         self.cache.sleep()
 
     def wake(self) -> None:
@@ -183,9 +210,12 @@ class RolloutEngine:
     # ---- generate ---------------------------------------------------------------------
 
     def generate(self, requests: list[Request], *,
-                 progress: Callable[[Progress], None] | None = None) -> list[Result]:
+                 progress: Callable[[Progress], None] | None = None,
+                 spec_strategy=None) -> list[Result]:
         """Generate for every request; results in request order. Rejected requests get a
-        Result with `error` set and do not stop the others."""
+        Result with `error` set and do not stop the others. spec_strategy (a
+        megatron_tlt.spec.tree.Strategy) replaces the spec decoder's strategy for this call
+        (its on/off decision, e.g. the batch-size threshold, still applies)."""
         if self.cache.is_sleeping:
             raise RuntimeError("RolloutEngine.generate() while asleep; call wake() first")
         version = self.weights.version
@@ -206,12 +236,13 @@ class RolloutEngine:
                 continue
             self.scheduler.add(seq)
         num_done = sum(r is not None for r in results)
-        num_tokens = 0
+        first_token = self.num_appended
         start = time.perf_counter()
+        self._spec_strategy = spec_strategy
         try:
             while self.scheduler.has_work():
                 scheduled, finished = self.step()
-                num_tokens += len(scheduled)
+                num_tokens = self.num_appended - first_token
                 for seq in finished:
                     results[seq.index] = self._result(seq)
                 num_done += len(finished)
@@ -220,7 +251,11 @@ class RolloutEngine:
                                       time.perf_counter() - start))
         except BaseException:
             self.scheduler.abort_all()
+            if self.spec_decoder is not None:
+                self.spec_decoder.reset()
             raise
+        finally:
+            self._spec_strategy = None
         return results  # type: ignore[return-value]
 
     def step(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -229,11 +264,16 @@ class RolloutEngine:
         if not plan.seqs:
             raise RuntimeError("scheduler could not run anything: the KV cache is held by "
                                "sequences outside the scheduler")
-        out = self.forward_pending(plan.seqs)
-        self.sample_and_append(plan.seqs, out.logits)
+        if self.spec_decoder is not None:
+            self.spec_decoder.step(self, plan.seqs, self._spec_strategy)
+        else:
+            out = self.forward_pending(plan.seqs)
+            self.sample_and_append(plan.seqs, out.logits)
         finished = [s for s in plan.seqs if s.finish_reason is not None]
         for s in finished:
             self.scheduler.finish(s)
+            if self.spec_decoder is not None:
+                self.spec_decoder.finish(s)
         return plan.seqs, finished
 
     def _result(self, seq: Sequence) -> Result:
@@ -247,13 +287,19 @@ class RolloutEngine:
                       processed_logprobs=list(seq.processed_logprobs) if want_lp else None,
                       finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                       policy_version=seq.policy_version, hidden_states=hidden,
-                      num_preemptions=seq.num_preemptions)
+                      num_preemptions=seq.num_preemptions, spec_stats=dict(seq.spec_stats))
 
     # ---- step parts ---------------------------------------------------------------------
 
-    def forward_pending(self, seqs: list[Sequence]) -> ForwardOutput:
+    def forward_pending(self, seqs: list[Sequence], *, return_hidden: bool = False) -> ForwardOutput:
         """Run the pending tokens `token_ids[num_computed:]` of each sequence; commit their
-        KV. Returns logits [B, vocab] of each sequence's last token."""
+        KV. Returns logits [B, vocab] of each sequence's last token; with return_hidden
+        (or when a request asks for hidden states) also the hidden states of every pending
+        token, sequences concatenated in order."""
+        if self.decode_runner is not None and not return_hidden:
+            out = self.decode_runner.decode(seqs)  # None unless a plain decode step
+            if out is not None:
+                return out
         ids, positions, slots, starts, ctx = [], [], [], [0], []
         for seq in seqs:
             lo, hi = seq.num_computed, len(seq.token_ids)
@@ -268,7 +314,7 @@ class RolloutEngine:
             starts.append(starts[-1] + hi - lo)
             ctx.append(hi)
         meta = self._metadata(seqs, slots, starts, ctx, tree_mask=None)
-        want_hidden = any(s.request.return_hidden_states for s in seqs)
+        want_hidden = return_hidden or any(s.request.return_hidden_states for s in seqs)
         out = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
                                  torch.cat(positions).to(self.device), self.cache, meta,
                                  logits_indices=meta.query_start[1:] - 1,
@@ -285,6 +331,13 @@ class RolloutEngine:
     def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per sequence (logits [B, vocab] float32), append it, run the stop
         checks (setting finish_reason). Returns the tokens [B]."""
+        if self.decode_runner is not None:
+            fast = self.decode_runner.sample_greedy(seqs, logits)  # None unless all greedy
+            if fast is not None:
+                tokens, token_list, lps = fast
+                for i, seq in enumerate(seqs):
+                    self.append_token(seq, token_list[i], lps[i], 0.0)
+                return tokens
         b, v = logits.shape
         temps, top_k, top_p, noise = [], [], [], []
         banned = None
@@ -310,13 +363,22 @@ class RolloutEngine:
         lps = out.logprobs.tolist()
         plps = out.processed_logprobs.tolist()
         for i, seq in enumerate(seqs):
-            seq.token_ids.append(tokens[i])
-            seq.logprobs.append(lps[i])
-            seq.processed_logprobs.append(plps[i])
-            reason, stop = seq.stop.check(seq.output_ids, len(seq.token_ids) >= self.max_model_len)
-            if reason is not None:
-                seq.finish_reason, seq.stop_reason = reason, stop
+            self.append_token(seq, tokens[i], lps[i], plps[i])
         return out.token_ids
+
+    def append_token(self, seq: Sequence, token: int, logprob: float,
+                     processed_logprob: float) -> bool:
+        """Append one generated token and run the stop checks; True once `seq` is finished
+        (finish_reason set)."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.processed_logprobs.append(processed_logprob)
+        self.num_appended += 1
+        reason, stop = seq.stop.check(seq.output_ids, len(seq.token_ids) >= self.max_model_len)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop
+            return True
+        return False
 
     def verify_forward(self, seqs: list[Sequence],
                        query_tokens: torch.Tensor,  # [B, Q] int64
@@ -328,6 +390,21 @@ class RolloutEngine:
         prefix plus the query tokens `tree_mask` allows. Their KV goes to cache positions
         num_computed .. num_computed + Q - 1 (uncommitted until `commit_kv`). With
         return_hidden ("final" / "pre_norm") also returns hidden states [B, Q, hidden]."""
+        out = self.verify_forward_output(seqs, query_tokens, positions, tree_mask,
+                                         return_hidden=return_hidden is not None)
+        logits = out.logits.view(len(seqs), query_tokens.shape[1], -1)
+        if return_hidden is None:
+            return logits
+        h = out.hidden_final if return_hidden == "final" else out.hidden_pre_norm
+        return logits, h.view(len(seqs), query_tokens.shape[1], -1)
+
+    def verify_forward_output(self, seqs: list[Sequence],
+                              query_tokens: torch.Tensor,  # [B, Q] int64
+                              positions: torch.Tensor,  # [B, Q] int64 RoPE positions
+                              tree_mask: torch.Tensor,  # [B, Q, Q] bool: query i sees query j
+                              *, return_hidden: bool = False) -> ForwardOutput:
+        """verify_forward returning the raw ForwardOutput: logits [B * Q, vocab] and, with
+        return_hidden, both hidden kinds [B * Q, hidden] (rows sequence-major)."""
         bsz, q = query_tokens.shape
         if positions.shape != (bsz, q) or tree_mask.shape != (bsz, q, q) or len(seqs) != bsz:
             raise ValueError(f"verify_forward: {len(seqs)} seqs, query_tokens {tuple(query_tokens.shape)}, "
@@ -349,14 +426,10 @@ class RolloutEngine:
         meta = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device))
         out = self.model.forward(query_tokens.reshape(-1).to(self.device, torch.int64),
                                  positions.reshape(-1).to(self.device, torch.int64), self.cache,
-                                 meta, logits_indices=None, return_hidden=return_hidden is not None)
+                                 meta, logits_indices=None, return_hidden=return_hidden)
         for seq in seqs:
             seq.pending_verify = q
-        logits = out.logits.view(bsz, q, -1)
-        if return_hidden is None:
-            return logits
-        h = out.hidden_final if return_hidden == "final" else out.hidden_pre_norm
-        return logits, h.view(bsz, q, -1)
+        return out
 
     def commit_kv(self, seq: Sequence, accepted_slot_indices: Seq[int] | torch.Tensor) -> None:
         """Keep the KV of the accepted query tokens of the last verify_forward (indices into

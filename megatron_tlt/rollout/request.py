@@ -49,6 +49,9 @@ class Result:
     never fed, so it has no row). Only when the request asked for it."""
     num_preemptions: int = 0
     spec_stats: dict = dataclasses.field(default_factory=dict)
+    """Speculative-decoding counters (megatron_tlt.spec.stats): method, num_drafts,
+    drafted, accepted, acceptance_rate, acceptance_length, plain_steps, fallbacks.
+    Empty when the engine has no spec decoder."""
 
     @classmethod
     def rejected(cls, request: Request, message: str, policy_version: int) -> "Result":

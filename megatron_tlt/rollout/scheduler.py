@@ -62,6 +62,8 @@ class Sequence:
     num_preemptions: int = 0
     pending_verify: int = 0
     """Number of uncommitted KV entries written by the last verify_forward."""
+    spec_stats: dict = dataclasses.field(default_factory=dict)
+    """Speculative-decoding counters (megatron_tlt.spec.stats); empty while SD is off."""
 
     @property
     def output_ids(self) -> list[int]:

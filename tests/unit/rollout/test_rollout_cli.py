@@ -82,8 +82,9 @@ def test_greedy_text_matches_tokens(model_dir, tmp_path):
     (['{"text": "w1"}'], [], "exactly one of"),
     (['{"prompt": 5}'], [], "'prompt' must be a string"),
     (['{"prompt": "w1"}'], ["--n", "0"], "--n must be >= 1, got 0"),
-    (['{"prompt": "w1"}'], ["--spec", "eagle"], "--spec eagle is not available yet"),
-    (['{"prompt": "w1"}'], ["--drafter", "/x"], "--drafter is not available yet"),
+    (['{"prompt": "w1"}'], ["--spec", "eagle"], "--spec eagle needs --drafter DIR"),
+    (['{"prompt": "w1"}'], ["--drafter", "/x"], "--drafter needs --spec eagle"),
+    (['{"prompt": "w1"}'], ["--spec", "ngram", "--spec-depth", "0"], "--spec flags: spec depth must be"),
     (['{"prompt": "w1"}'], ["--top-p", "1.5"], r"sampling flags: top_p must be in \(0, 1\]"),
 ])
 def test_bad_input_is_one_clear_error(model_dir, tmp_path, content, flags, message):

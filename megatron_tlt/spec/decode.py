@@ -1,0 +1,396 @@
+"""The speculative-decoding step of the rollout engine.
+
+`SpecDecoder.step(engine, seqs)` replaces the engine's plain step
+(`forward_pending` + `sample_and_append`) for the sequences the scheduler runs:
+
+1. Policy: `choose(batch_size)` gives a Strategy (depth, topk, num_verify_tokens) or None
+   (SD off for this step). The default is a fixed strategy with `threshold`: SD only while
+   the running batch is <= threshold. The adaptive engine replaces `choose`.
+2. Sequences with more than one pending token (first prefill, re-prefill after a
+   preemption) and all sequences of an SD-off step decode plainly — exactly the engine's
+   plain step. So do sequences whose drafter failed (non-finite outputs: counted as a
+   fallback), that got no draft (n-gram without a match), that have fewer than two tokens
+   of budget left, or for which the KV pool has no room for the tree.
+3. The others: the drafter proposes a tree per sequence (root = the pending token);
+   `verify_forward` runs root + drafts with the tree mask; verification
+   (megatron_tlt.spec.verify) accepts a root-to-node path and emits one more token
+   (recovered or bonus): greedy verification at temperature 0, recursive rejection
+   sampling otherwise (sampled chains pass draft_probs; top-k and n-gram trees are
+   one-hot proposals, draft_probs=None). `commit_kv` keeps the accepted path's KV.
+4. Emitted tokens are appended one at a time with the engine's stop checks; a stop token
+   or string, max_new_tokens or max_model_len truncates the rest.
+
+Lossless and reproducible:
+- target_probs rows are the target's logits with the min_new_tokens ban (stop ids ->
+  -inf for output positions below min_new_tokens), processed by
+  sampling_ref.process_logits with the request's temperature/top-k/top-p — the same
+  function the drafter's proposals go through. (It resolves exact ties at the top-k/top-p
+  boundary by value where the plain sampler resolves them by id: a measure-zero difference
+  for real-valued logits.) Greedy verification takes the banned logits themselves, so
+  greedy SD emits exactly the plain decode's tokens.
+- logprobs follow the engine's definition (sampling.py): log_softmax(logits / T) at the
+  node the emitted token was verified at (T = 1 for greedy); processed_logprobs are
+  log target_probs (0.0 for greedy).
+- Randomness comes only from the request's generator, drawn in a fixed order per step:
+  draft sampling noise (sampled chains: one [draft_vocab] Exp(1) draw per level), then
+  coins [num_nodes] U[0,1), then exp_noise [vocab] Exp(1). Same seed -> same tokens.
+  A fallback step is a plain step (one [vocab] draw); when the drafter failed after
+  drawing draft noise, that noise is simply skipped (fresh noise stays independent, so
+  the distribution is unchanged; the tokens then differ from a run without SD).
+
+Drafter interface (`Drafter`): `feature` names the target hidden states it needs
+("final" or None); the decoder passes the rows of every newly committed position through
+`observe`, in order, plain steps included, so a drafter can catch up lazily when SD turns
+on. `propose` returns one DraftTree per sequence; `release` forgets a sequence (preempted:
+it will be re-prefilled and re-observed), `finish` is called when it is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+
+from megatron_tlt.errors import ConfigError
+from megatron_tlt.rollout.sampling import draw_exponential
+from megatron_tlt.spec.sampling_ref import process_logits
+from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
+from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
+from megatron_tlt.spec.verify import verify_tree_greedy, verify_tree_rejection
+
+logger = logging.getLogger(__name__)
+
+
+class Drafter:
+    """Base class of drafters (see the module docstring)."""
+
+    name = "drafter"
+    feature: str | None = None
+    """Target hidden states the drafter consumes: "final" or None."""
+
+    def observe(self, seq, start: int, hidden: torch.Tensor) -> None:
+        """hidden [n, hidden]: the target's `feature` states at positions start..start+n-1,
+        all committed."""
+
+    def propose(self, seqs: list, strategy: Strategy, caps: list[int], running: list) -> list[DraftTree]:
+        """One tree per sequence of `seqs`, rooted at its last token and at most caps[i]
+        deep. `running`: every sequence of this step (for drafters that look at others)."""
+        raise NotImplementedError
+
+    def release(self, seq) -> None:
+        """Forget per-sequence state (preemption; the sequence will be re-observed)."""
+
+    def finish(self, seq) -> None:
+        """The sequence is done."""
+        self.release(seq)
+
+    def reset(self) -> None:
+        """Forget every sequence (after an aborted generate)."""
+
+
+def draft_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Scores for top-k trees: log of the processed draft distribution; at temperature 0
+    log_softmax(logits) (T = 1), so a greedy tree still ranks alternatives."""
+    if params.temperature <= 0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return process_logits(logits, params.temperature, max(params.top_k, 0), params.top_p).log()
+
+
+class TargetDrafter(Drafter):
+    """The target itself as drafter (tests, debugging): drafts are the target's own greedy
+    predictions (top-k trees ranked by its log-probs), computed by re-running the whole
+    sequence through the engine's model with a private cache. In greedy mode every draft
+    on the argmax path is accepted: acceptance length = depth + 1."""
+
+    name = "target"
+
+    def __init__(self, engine):
+        from megatron_tlt.rollout.kv_cache import PagedKVCache
+        self.engine = engine
+        self._cache_cls = PagedKVCache
+
+    def _next_logits(self, tokens: list[int]) -> torch.Tensor:
+        from megatron_tlt.rollout.attention import AttentionMetadata
+        e = self.engine
+        n = len(tokens)
+        bs = 16
+        cache = self._cache_cls(num_layers=e.arch.num_layers, num_kv_heads=e.arch.num_kv_heads,
+                                head_dim=e.arch.head_dim, num_blocks=-(-n // bs), block_size=bs,
+                                dtype=e.dtype, device=e.device)
+        cache.ensure(0, n)
+        pos = torch.arange(n)
+        meta = AttentionMetadata(slot_mapping=cache.slots(0, pos),
+                                 query_start=torch.tensor([0, n]), context_lens=torch.tensor([n]),
+                                 block_tables=torch.tensor([cache.block_table(0)]))
+        dev = e.device
+        meta = AttentionMetadata(slot_mapping=meta.slot_mapping.to(dev), query_start=meta.query_start.to(dev),
+                                 context_lens=meta.context_lens.to(dev), block_tables=meta.block_tables.to(dev))
+        out = e.model.forward(torch.tensor(tokens, device=dev), pos.to(dev), cache, meta,
+                              logits_indices=torch.tensor([n - 1], device=dev))
+        return out.logits[0]
+
+    def propose(self, seqs, strategy, caps, running):
+        trees = []
+        for seq, cap in zip(seqs, caps):
+            b = TreeBuilder(seq.token_ids[-1], strategy, cap)
+            paths = {0: []}
+            while not b.done:
+                rows = []
+                for node in b.frontier:
+                    rows.append(self._next_logits(seq.token_ids + paths[node]))
+                first_new = len(b.tokens)
+                b.expand_topk(torch.log_softmax(torch.stack(rows), dim=-1).cpu())
+                for i in range(first_new, len(b.tokens)):
+                    paths[i] = paths[b.parents[i]] + [b.tokens[i]]
+            trees.append(b.result())
+        return trees
+
+
+class ThresholdPolicy:
+    """SD with one fixed strategy while the running batch is <= threshold (always if None)."""
+
+    def __init__(self, strategy: Strategy, threshold: int | None = None):
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
+            raise ConfigError(f"spec threshold must be an integer >= 0 or None, got {threshold!r}")
+        self.strategy = strategy
+        self.threshold = threshold
+
+    def __call__(self, batch_size: int) -> Strategy | None:
+        if self.threshold is not None and batch_size > self.threshold:
+            return None
+        return self.strategy
+
+
+class SpecDecoder:
+    """Speculative decoding for a RolloutEngine: `engine.spec_decoder = SpecDecoder(...)`."""
+
+    def __init__(self, drafter: Drafter, strategy: Strategy | None = None, *,
+                 threshold: int | None = None,
+                 policy: Callable[[int], Strategy | None] | None = None,
+                 metrics: SpecMetrics | None = None, verify_impl: str | None = None):
+        if drafter.feature not in (None, "final"):
+            raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
+                              f"the engine provides 'final' only")
+        self.drafter = drafter
+        self.policy = policy or ThresholdPolicy(strategy or Strategy(), threshold)
+        self.metrics = metrics or SpecMetrics()
+        self.verify_impl = verify_impl
+        self._preemptions: dict[int, int] = {}
+        self._warned = False
+
+    def choose(self, batch_size: int) -> Strategy | None:
+        return self.policy(batch_size)
+
+    # ---- bookkeeping ------------------------------------------------------------------
+
+    def _track(self, seq) -> None:
+        if not seq.spec_stats:
+            seq.spec_stats.update(new_request_stats(self.drafter.name))
+        seen = self._preemptions.get(seq.seq_id)
+        if seen is not None and seen != seq.num_preemptions:
+            self.drafter.release(seq)
+        self._preemptions[seq.seq_id] = seq.num_preemptions
+
+    def finish(self, seq) -> None:
+        self._preemptions.pop(seq.seq_id, None)
+        self.drafter.finish(seq)
+        finalize_request_stats(seq.spec_stats)
+
+    def reset(self) -> None:
+        self._preemptions.clear()
+        self.drafter.reset()
+
+    def _depth_cap(self, engine, seq) -> int:
+        """Deepest draft worth verifying: the step emits <= depth + 1 tokens, within
+        max_new_tokens and max_model_len."""
+        left = seq.request.sampling_params.max_new_tokens - len(seq.output_ids)
+        return min(left - 1, engine.max_model_len - len(seq.token_ids) - 1)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self, engine, seqs: list, strategy: Strategy | None = None) -> None:
+        """One engine step for `seqs`. `strategy` (a per-call override) replaces the
+        policy's strategy but not its on/off decision."""
+        bsz = len(seqs)
+        chosen = self.choose(bsz)
+        strategy = None if chosen is None else (strategy or chosen)
+        for s in seqs:
+            self._track(s)
+        plain, cand, caps = [], [], []
+        for s in seqs:
+            cap = self._depth_cap(engine, s) if strategy is not None else 0
+            if strategy is None or s.num_pending != 1 or cap < 1:
+                plain.append(s)
+            else:
+                cand.append(s)
+                caps.append(cap)
+        spec, fallbacks = [], 0
+        if cand:
+            with _nvtx("spec/draft", engine.device):
+                trees = self.drafter.propose(cand, strategy, caps, seqs)
+            for s, t, cap in zip(cand, trees, caps):
+                if t.fallback_reason is not None:
+                    fallbacks += 1
+                    s.spec_stats["fallbacks"] += 1
+                    if not self._warned:
+                        self._warned = True
+                        logger.warning("drafter %s failed (%s); decoding those sequences plainly "
+                                       "(counted as fallbacks)", self.drafter.name, t.fallback_reason)
+                    plain.append(s)
+                elif t.num_drafts == 0:
+                    plain.append(s)
+                else:
+                    spec.append((s, t.truncate_depth(cap)))
+            spec = self._reserve(engine, spec, plain)
+        if plain:
+            self._plain(engine, plain)
+        stats = self._verify(engine, spec) if spec else (0, 0, 0)
+        self.metrics.record_step(bsz, strategy=None if strategy is None else strategy.as_dict(),
+                                 num_drafts=len(spec), drafted=stats[0], accepted=stats[1],
+                                 emitted=stats[2] + len(plain), fallbacks=fallbacks,
+                                 plain_seqs=len(plain))
+
+    def _reserve(self, engine, spec, plain):
+        """Room in the KV pool for every tree (padded to one size); others decode plainly."""
+        while spec:
+            q = max(len(t.tokens) for _, t in spec)
+            ok = []
+            for s, t in spec:
+                if engine.cache.ensure(s.seq_id, s.num_computed + q):
+                    ok.append((s, t))
+                else:
+                    plain.append(s)
+            if len(ok) == len(spec):
+                return ok
+            spec = ok
+        return spec
+
+    def _plain(self, engine, seqs) -> None:
+        feature = self.drafter.feature
+        starts = [s.num_computed for s in seqs]
+        counts = [s.num_pending for s in seqs]
+        out = engine.forward_pending(seqs, return_hidden=feature is not None)
+        if feature is not None:
+            h = out.hidden_final
+            off = 0
+            for s, lo, n in zip(seqs, starts, counts):
+                self.drafter.observe(s, lo, h[off:off + n])
+                off += n
+        for s in seqs:
+            s.spec_stats["plain_steps"] += 1
+        engine.sample_and_append(seqs, out.logits)
+
+    def _verify(self, engine, spec) -> tuple[int, int, int]:
+        seqs = [s for s, _ in spec]
+        trees = [t for _, t in spec]
+        vocab = engine.arch.vocab_size
+        batch = TreeBatch.pack(trees, [len(s.token_ids) - 1 for s in seqs], vocab)
+        out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
+                                           batch.tree_mask, return_hidden=True)
+        bsz, q = batch.parents.shape
+        raw = logits = out.logits.view(bsz, q, vocab)
+        hid = {"final": out.hidden_final.view(bsz, q, -1),
+               "pre_norm": out.hidden_pre_norm.view(bsz, q, -1)}
+        depth = batch.positions - batch.positions[:, :1]
+        logits = self._ban(seqs, logits, depth)
+        params = [s.request.sampling_params for s in seqs]
+        dev = logits.device
+        parents, draft_tokens = batch.parents.to(dev), batch.draft_tokens.to(dev)
+        greedy = torch.tensor([p.temperature <= 0 for p in params])
+        accept_index = torch.zeros(bsz, batch.max_depth + 1, dtype=torch.int64)
+        accept_len = torch.zeros(bsz, dtype=torch.int64)
+        out_tokens = torch.zeros(bsz, batch.max_depth + 1, dtype=torch.int64)
+        probs = None
+        with _nvtx("spec/verify", engine.device):
+            g = greedy.nonzero().squeeze(1)
+            if g.numel():
+                gd = g.to(dev)
+                r = verify_tree_greedy(parents[gd], draft_tokens[gd], logits[gd].contiguous(),
+                                       max_depth=batch.max_depth, impl=self.verify_impl)
+                accept_index[g], accept_len[g], out_tokens[g] = (
+                    r.accept_index.cpu(), r.accept_length.cpu(), r.output_tokens.cpu())
+            sm = (~greedy).nonzero().squeeze(1)
+            if sm.numel():
+                rows = sm.tolist()
+                temp = torch.tensor([float(params[i].temperature) for i in rows], device=dev)[:, None]
+                top_k = torch.tensor([max(int(params[i].top_k), 0) for i in rows], device=dev)[:, None]
+                top_p = torch.tensor([float(params[i].top_p) for i in rows], device=dev)[:, None]
+                smd = sm.to(dev)
+                probs = process_logits(logits[smd], temp, top_k, top_p)
+                coins = torch.full((sm.numel(), q), 0.5)
+                noise = torch.empty(sm.numel(), vocab)
+                for j, i in enumerate(sm.tolist()):
+                    gen = seqs[i].generator
+                    coins[j, :batch.num_nodes[i]] = torch.rand(batch.num_nodes[i], generator=gen)
+                    noise[j] = draw_exponential(gen, vocab)
+                dp = None
+                if batch.draft_probs is not None:
+                    dp = batch.draft_probs[sm].to(dev).contiguous()
+                r = verify_tree_rejection(parents[smd], draft_tokens[smd], probs, dp,
+                                          coins.to(dev), noise.to(dev), max_depth=batch.max_depth,
+                                          impl=self.verify_impl)
+                accept_index[sm], accept_len[sm], out_tokens[sm] = (
+                    r.accept_index.cpu(), r.accept_length.cpu(), r.output_tokens.cpu())
+        prob_row = {i: j for j, i in enumerate(sm.tolist())}
+        drafted = accepted = emitted = 0
+        feature = self.drafter.feature
+        for b, s in enumerate(seqs):
+            acc = int(accept_len[b])
+            path = accept_index[b, :acc + 1]
+            toks = out_tokens[b, :acc + 1].tolist()
+            root_pos = len(s.token_ids) - 1
+            engine.commit_kv(s, path)
+            kind = s.request.return_hidden_states
+            if kind is not None:
+                s.hidden.append(hid[kind][b, path].clone())
+            if feature is not None:
+                self.drafter.observe(s, root_pos, hid[feature][b, path])
+            p = params[b]
+            t_eff = p.temperature if p.temperature > 0 else 1.0
+            # Reported logprobs: before the min_new_tokens ban, as the plain sampler does.
+            lps = torch.log_softmax(raw[b, path].float() / t_eff, dim=-1)
+            n_emit = 0
+            for j, tok in enumerate(toks):
+                lp = float(lps[j, tok])
+                plp = 0.0 if b not in prob_row else float(probs[prob_row[b], int(path[j]), tok].log())
+                n_emit += 1
+                if engine.append_token(s, tok, lp, plp):
+                    break
+            s.spec_stats["num_drafts"] += 1
+            s.spec_stats["drafted"] += trees[b].num_drafts
+            s.spec_stats["accepted"] += acc
+            drafted += trees[b].num_drafts
+            accepted += acc
+            emitted += n_emit
+        return drafted, accepted, emitted
+
+    @staticmethod
+    def _ban(seqs, logits, depth):
+        """Stop ids -> -inf at output positions below min_new_tokens (the plain sampler's
+        ban), per node by its depth."""
+        out = None
+        for b, s in enumerate(seqs):
+            n_out = len(s.output_ids)
+            for d in range(int(depth[b].max()) + 1):
+                ban = s.stop.banned_ids(n_out + d)
+                if ban:
+                    if out is None:
+                        out = logits.clone()
+                    rows = (depth[b] == d).nonzero().squeeze(1)
+                    idx = torch.tensor(sorted(ban))
+                    out[b, rows[:, None], idx[None, :]] = float("-inf")
+        return logits if out is None else out
+
+
+@contextlib.contextmanager
+def _nvtx(name: str, device):
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+    else:
+        yield

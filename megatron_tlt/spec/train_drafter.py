@@ -1,0 +1,366 @@
+"""Offline EAGLE drafter training on the target's own responses.
+
+    python -m megatron_tlt.spec.train_drafter --target DIR (--data prompts.jsonl | --tasks arith,sort) --out DIR
+
+1. Data: the target generates responses with the rollout engine, returning its hidden
+   states after the final norm (Request.return_hidden_states="final" — the feature EAGLE
+   consumes; see eagle.py) for every position: `collect_samples`.
+2. Samples -> pairs (x[t+1], h[t]) at position t + 1, target feature h[t+1] and target
+   logits lm_head(h[t+1]) (recomputed from the feature: exactly the target's logits, no
+   need to store them); packed into fixed-budget packs with segment ids, so attention
+   never crosses samples (`pack_samples`).
+3. Loss = smooth-L1(f, h[t+1]) + ce_weight x cross-entropy(drafter logits, softmax of the
+   target's logits over the draft vocabulary) — soft labels, the target's distribution,
+   not its sampled token (`drafter_loss`). AdamW over drafter-owned parameters only.
+4. Save: drafter directory in the HF-EAGLE-like layout (export.py); `DrafterTrainer.
+   save_checkpoint` adds the optimizer for resuming (and for `export-drafter --ckpt`).
+
+The functions are the API the online trainer (adaptive/) reuses: it feeds
+`TrainSample`s streamed from rollouts into `pack_samples` and `DrafterTrainer.step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from megatron_tlt.errors import TLTError
+from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, count_frequent_tokens
+
+
+@dataclasses.dataclass
+class TrainSample:
+    tokens: torch.Tensor  # [L] int64, prompt + response
+    features: torch.Tensor  # [L - 1, feature_dim]: target feature at positions 0..L-2
+    loss_start: int = 0
+    """First pair index t that counts in the loss (pair t predicts token t + 2)."""
+    final: torch.Tensor | None = None
+    """[L - 1, hidden] final-norm hidden states when `features` are fused layers (EAGLE-3);
+    None: `features` are the final hidden states themselves."""
+
+    @property
+    def num_pairs(self) -> int:
+        return max(0, self.tokens.numel() - 2)
+
+    @classmethod
+    def from_result(cls, prompt_ids: list[int], result, *, response_only: bool = False) -> "TrainSample":
+        tokens = torch.tensor(list(prompt_ids) + list(result.token_ids), dtype=torch.int64)
+        if result.hidden_states is None or result.hidden_states.shape[0] != tokens.numel() - 1:
+            raise ValueError("result has no hidden states for every position (return_hidden_states)")
+        start = max(0, len(prompt_ids) - 2) if response_only else 0
+        return cls(tokens=tokens, features=result.hidden_states, loss_start=start)
+
+
+@dataclasses.dataclass
+class Pack:
+    """Packed pairs of several samples (or chunks of one), T pairs in all."""
+    tokens: torch.Tensor  # [T] int64: x[t+1]
+    features: torch.Tensor  # [T, feature_dim]: h[t]
+    positions: torch.Tensor  # [T] int64: t + 1
+    segment_ids: torch.Tensor  # [T] int64
+    target_features: torch.Tensor  # [T, hidden]: h[t+1] (final feature)
+    loss_mask: torch.Tensor  # [T] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+def sample_pairs(s: TrainSample) -> dict[str, torch.Tensor]:
+    n = s.num_pairs
+    t = torch.arange(n)
+    final = s.features if s.final is None else s.final
+    return {"tokens": s.tokens[1:n + 1], "features": s.features[:n], "positions": t + 1,
+            "target_features": final[1:n + 1], "loss_mask": t >= s.loss_start}
+
+
+def pack_samples(samples: list[TrainSample], max_tokens: int) -> list[Pack]:
+    """Greedy first-fit in order; a sample longer than max_tokens is split into chunks
+    (positions continue; attention stays within each chunk)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    chunks = []
+    for s in samples:
+        p = sample_pairs(s)
+        n = p["tokens"].numel()
+        for lo in range(0, n, max_tokens):
+            chunks.append({k: v[lo:lo + max_tokens] for k, v in p.items()})
+    packs, cur, size = [], [], 0
+    for c in chunks:
+        n = c["tokens"].numel()
+        if cur and size + n > max_tokens:
+            packs.append(_make_pack(cur))
+            cur, size = [], 0
+        cur.append(c)
+        size += n
+    if cur:
+        packs.append(_make_pack(cur))
+    return packs
+
+
+def _make_pack(chunks) -> Pack:
+    seg = torch.cat([torch.full((c["tokens"].numel(),), i, dtype=torch.int64) for i, c in enumerate(chunks)])
+    return Pack(**{k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}, segment_ids=seg)
+
+
+def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
+                 feature_noise: float = 0.0, generator: torch.Generator | None = None):
+    """(loss, metrics dict). feature_noise: uniform noise on input features (EAGLE-1's
+    augmentation against its own feature errors at drafting time)."""
+    p = next(drafter.parameters())
+    feats = pack.features.to(p.device, p.dtype)
+    if feature_noise > 0:
+        feats = feats + (torch.rand(feats.shape, generator=generator) * 2 - 1).to(feats) * feature_noise
+    f, logits = drafter.forward_packed(pack.tokens.to(p.device), feats, pack.positions.to(p.device),
+                                       pack.segment_ids.to(p.device))
+    mask = pack.loss_mask.to(p.device)
+    tgt = pack.target_features.to(p.device, p.dtype)
+    with torch.no_grad():
+        target_logits = F.linear(tgt, drafter.head_weight().to(tgt.dtype)).float()
+        soft = torch.softmax(target_logits, dim=-1)
+    n = mask.sum().clamp(min=1)
+    feat_loss = (F.smooth_l1_loss(f.float(), tgt.float(), reduction="none").mean(-1) * mask).sum() / n
+    ce = (-(soft * torch.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / n
+    loss = feat_loss + ce_weight * ce
+    with torch.no_grad():
+        acc = ((logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum() / n
+    return loss, {"loss": float(loss.detach()), "feature_loss": float(feat_loss.detach()),
+                  "ce": float(ce.detach()),
+                  "top1": float(acc), "tokens": int(mask.sum())}
+
+
+class DrafterTrainer:
+    """AdamW over the drafter's own parameters (never the target's)."""
+
+    def __init__(self, drafter: EagleDrafter, *, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), clip_grad: float = 1.0,
+                 ce_weight: float = 0.1, feature_noise: float = 0.0, seed: int = 0):
+        self.drafter = drafter
+        self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.clip_grad = clip_grad
+        self.ce_weight = ce_weight
+        self.feature_noise = feature_noise
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step_count = 0
+
+    def step(self, pack: Pack) -> dict:
+        self.drafter.train()
+        self.opt.zero_grad(set_to_none=True)
+        loss, metrics = drafter_loss(self.drafter, pack, ce_weight=self.ce_weight,
+                                     feature_noise=self.feature_noise, generator=self.generator)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"drafter loss is {float(loss)} at step {self.step_count}")
+        loss.backward()
+        if self.clip_grad > 0:
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.clip_grad))
+        self.opt.step()
+        self.step_count += 1
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, packs: list[Pack]) -> dict:
+        self.drafter.eval()
+        tot: dict[str, float] = {}
+        n = 0
+        for pk in packs:
+            _, m = drafter_loss(self.drafter, pk, ce_weight=self.ce_weight)
+            w = m["tokens"]
+            for k in ("loss", "feature_loss", "ce", "top1"):
+                tot[k] = tot.get(k, 0.0) + m[k] * w
+            n += w
+        return {k: v / max(n, 1) for k, v in tot.items()}
+
+    def save_checkpoint(self, path: str) -> None:
+        from megatron_tlt.spec.export import save_drafter
+        save_drafter(self.drafter, path)
+        tmp = os.path.join(path, ".optimizer.pt.tmp")
+        torch.save(self.opt.state_dict(), tmp)
+        os.replace(tmp, os.path.join(path, "optimizer.pt"))
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"step": self.step_count}, f)
+
+    def load_optimizer(self, path: str) -> None:
+        self.opt.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            self.step_count = int(json.load(f)["step"])
+
+
+def train(trainer: DrafterTrainer, packs: list[Pack], steps: int, *, seed: int = 0,
+          progress: bool = True) -> list[dict]:
+    """`steps` optimizer steps, one pack each, cycling through a seeded shuffle."""
+    from tqdm import tqdm
+    if not packs:
+        raise TLTError("no training data: every sample is shorter than 3 tokens")
+    g = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    history = []
+    bar = tqdm(range(steps), desc="train-drafter", unit="step", disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        if not order:
+            order = torch.randperm(len(packs), generator=g).tolist()
+        m = trainer.step(packs[order.pop()])
+        history.append(m)
+        bar.set_postfix(loss=f"{m['loss']:.4f}", top1=f"{m['top1']:.3f}", refresh=False)
+    return history
+
+
+# ---- data from the target ----------------------------------------------------------------
+
+
+def collect_samples(engine, prompts: list[tuple[object, list[int]]], *, n: int = 1,
+                    max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
+                    response_only: bool = False, progress: bool = True) -> list[TrainSample]:
+    """The target's own responses with its final hidden states. prompts: (id, token ids)."""
+    from tqdm import tqdm
+    from megatron_tlt.rollout.request import expand_requests
+    from megatron_tlt.rollout.sampling import SamplingParams
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    reqs, prompt_of = [], []
+    for pid, ids in prompts:
+        for r in expand_requests(pid, ids, params, n, return_hidden_states="final"):
+            reqs.append(r)
+            prompt_of.append(ids)
+    bar = tqdm(total=len(reqs), desc="generate", unit="req", disable=not progress, dynamic_ncols=True)
+
+    def on_progress(p):
+        bar.n = p.num_done
+        bar.refresh()
+    try:
+        results = engine.generate(reqs, progress=on_progress)
+    finally:
+        bar.close()
+    out = []
+    for ids, r in zip(prompt_of, results):
+        if r.error is not None:
+            raise TLTError(f"target generation failed: {r.error}")
+        out.append(TrainSample.from_result(ids, r, response_only=response_only))
+    return out
+
+
+def build_drafter(target_arch, target_weights, samples: list[TrainSample] | None = None, *,
+                  draft_vocab_size: int | None = None, seed: int = 0) -> EagleDrafter:
+    """A fresh drafter over the target's embedding/LM head; a reduced vocabulary is the
+    draft_vocab_size most frequent tokens of the samples."""
+    ids = None
+    if draft_vocab_size is not None and draft_vocab_size < target_arch.vocab_size:
+        if not samples:
+            raise TLTError("a reduced draft vocabulary needs training samples to count tokens")
+        ids = count_frequent_tokens([s.tokens for s in samples], target_arch.vocab_size, draft_vocab_size)
+    else:
+        draft_vocab_size = None
+    cfg = DrafterConfig(arch=target_arch, draft_vocab_size=draft_vocab_size)
+    d = EagleDrafter(cfg, target_weights.embed, target_weights.lm_head, ids)
+    d.reset_parameters(seed)
+    return d.to(device=target_weights.device, dtype=target_weights.dtype)
+
+
+def _read_prompt_tokens(args, tokenizer) -> list[tuple[object, list[int]]]:
+    from megatron_tlt.rollout.cli import read_prompts
+    out = []
+    if args.data:
+        for _, rec in read_prompts(args.data):
+            ids = rec.get("prompt_token_ids")
+            if ids is None:
+                if tokenizer is None:
+                    raise TLTError(f"--data {args.data} has text prompts but {args.target} has no tokenizer")
+                ids = tokenizer.encode_prompt(rec["prompt"])
+            out.append((rec["prompt_id"], list(ids)))
+    else:
+        from megatron_tlt.data.tasks import make_dataset
+        if tokenizer is None:
+            raise TLTError(f"--tasks needs a tokenizer in {args.target}")
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        for s in make_dataset(names, args.num_prompts, args.seed):
+            out.append((s.prompt_id, tokenizer.encode_prompt(s.prompt)))
+    return out
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="python -m megatron_tlt.spec.train_drafter",
+                                          description="Train an EAGLE drafter on the target's own responses.")
+    p.add_argument("--target", required=True, help="HF target model directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="prompts JSONL (prompt text or prompt_token_ids, optional prompt_id)")
+    src.add_argument("--tasks", help="built-in synthetic tasks, comma separated (e.g. arith,sort)")
+    p.add_argument("--num-prompts", type=int, default=256, help="prompts drawn with --tasks")
+    p.add_argument("--out", required=True, help="output drafter directory (HF-EAGLE-like layout)")
+    p.add_argument("--n", type=int, default=1, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="of the target's responses")
+    p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (one pack each)")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="pairs per pack")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--ce-weight", type=float, default=0.1)
+    p.add_argument("--feature-noise", type=float, default=0.0)
+    p.add_argument("--response-only", action="store_true", help="loss on response positions only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        args = build_parser().parse_args(args)
+    from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.rollout.cli import _eos_ids
+    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.rollout.weights import load_hf
+
+    for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts"):
+        if getattr(args, name) < 1:
+            raise TLTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    arch, weights = load_hf(args.target, device=device)
+    try:
+        tokenizer = load_tokenizer(args.target)
+    except TLTError:
+        tokenizer = None
+    prompts = _read_prompt_tokens(args, tokenizer)
+    longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
+    max_len = min(arch.max_position_embeddings, longest)
+    bs = 16
+    engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
+                           num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
+                           device=device, max_model_len=max_len,
+                           eos_token_ids=_eos_ids(args.target, None), seed=args.seed)
+    progress = not args.no_progress
+    samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, seed=args.seed,
+                              response_only=args.response_only, progress=progress)
+    drafter = build_drafter(arch, weights, samples, draft_vocab_size=args.draft_vocab, seed=args.seed)
+    packs = pack_samples(samples, args.batch_tokens)
+    trainer = DrafterTrainer(drafter, lr=args.lr, weight_decay=args.weight_decay,
+                             ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed)
+    before = trainer.evaluate(packs)
+    train(trainer, packs, args.steps, seed=args.seed, progress=progress)
+    after = trainer.evaluate(packs)
+    trainer.save_checkpoint(args.out)
+    summary = {"samples": len(samples), "pairs": sum(pk.num_tokens for pk in packs),
+               "packs": len(packs), "steps": args.steps, "before": before, "after": after}
+    with open(os.path.join(args.out, "train_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"drafter saved to {args.out}: loss {before['loss']:.4f} -> {after['loss']:.4f}, "
+          f"top-1 {before['top1']:.3f} -> {after['top1']:.3f}", file=sys.stderr)
+    return 0 if math.isfinite(after["loss"]) else 1
+
+
+if __name__ == "__main__":
+    from megatron_tlt.errors import TLTError as _E
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except _E as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,331 @@
+"""Draft trees: the strategy, one sequence's tree, and the batched verify inputs.
+
+A *draft tree* of one sequence has N nodes in topological order (parent index < child
+index). Node 0 is the *root*: the sequence's last token, whose KV is not yet in the
+target's cache (it is the pending token of a decode step). Every other node is a draft
+token; `parents[i]` is its parent node. A chain is `parents = [-1, 0, 1, ..., N - 2]`.
+The same layout as megatron_tlt.spec.verify_ref (which defines accepted / rejected /
+recovered / bonus tokens and the acceptance metrics).
+
+In the target, node i sits at RoPE position `root_position + depth(i)` and attends to the
+whole committed prefix plus its ancestors and itself (`tree_mask`). `TreeBatch` pads the
+trees of a batch to one N with *padding nodes* (parent -1, token -1 for the verifier;
+token 0 at the root's position, seeing only itself, for the forward), which verification
+ignores and `commit_kv` drops.
+
+Strategy (what the adaptive engine tunes per batch-size bucket):
+- depth: draft tokens along the longest path (chain length for a chain);
+- topk: children expanded per node; 1 = a chain;
+- num_verify_tokens: nodes sent to the target *including the root*, so a step verifies
+  num_verify_tokens - 1 draft tokens (SGLang's `speculative_num_draft_tokens`). EAGLE-2
+  dynamic trees keep the num_verify_tokens - 1 draft nodes with the highest cumulative
+  draft log-probability (`select_top_nodes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_tlt.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    depth: int = 4
+    """Draft tokens along the longest root-to-leaf path (>= 1)."""
+    topk: int = 1
+    """Children expanded per node (1 = chain)."""
+    num_verify_tokens: int | None = None
+    """Tree nodes verified, root included; None: depth + 1 for a chain, 1 + depth * topk
+    for a tree."""
+
+    def __post_init__(self):
+        for name in ("depth", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"spec {name} must be an integer >= 1, got {v!r}")
+        n = self.num_verify_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
+            raise ConfigError(f"spec num_verify_tokens must be an integer >= 2 (the root and at "
+                              f"least one draft token), got {n!r}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def num_draft_nodes(self) -> int:
+        """Draft nodes sent to the verifier (root excluded)."""
+        if self.is_chain:
+            full = self.depth
+        else:
+            full = self.depth * self.topk  # top-k per level after EAGLE-2 reranking
+        if self.num_verify_tokens is None:
+            return full
+        return min(self.num_verify_tokens - 1, self.max_nodes())
+
+    def max_nodes(self) -> int:
+        """Most draft nodes a tree of this depth/topk can hold (topk at depth 1, topk^2 at
+        each deeper level: the children of the topk expanded nodes)."""
+        if self.is_chain:
+            return self.depth
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+    def as_dict(self) -> dict:
+        return {"depth": self.depth, "topk": self.topk, "num_verify_tokens": self.num_draft_nodes + 1}
+
+
+@dataclasses.dataclass(eq=False)
+class DraftTree:
+    """One sequence's proposal. tokens[0] is the root (the last committed token)."""
+
+    tokens: list[int]
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None
+    """[N, vocab] float32: the distribution each node's token was drawn from (row 0
+    unused); None = deterministic proposals (one-hot)."""
+    fallback_reason: str | None = None
+    """Set when the drafter failed (e.g. non-finite outputs): decode this sequence plainly."""
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
+            raise ValueError(f"DraftTree: tokens {self.tokens} / parents {self.parents} malformed")
+        for i in range(1, len(self.parents)):
+            if not 0 <= self.parents[i] < i:
+                raise ValueError(f"DraftTree: parent {self.parents[i]} of node {i} is not an earlier node")
+
+    @classmethod
+    def failed(cls, root: int, reason: str) -> "DraftTree":
+        return cls([root], [-1], None, reason)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def truncate_depth(self, max_depth: int) -> "DraftTree":
+        """Drop the nodes deeper than max_depth (renumbering the rest)."""
+        depths = self.depths()
+        keep = [i for i in range(len(self.tokens)) if depths[i] <= max_depth]
+        if len(keep) == len(self.tokens):
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [new_index[self.parents[i]] for i in keep[1:]]
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, self.fallback_reason)
+
+
+def chain(root: int, tokens: list[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
+    return DraftTree([root] + list(tokens), list(range(-1, len(tokens))), draft_probs)
+
+
+def trie(root: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
+    """Merge token continuations (in priority order) into a prefix tree, at most
+    max_nodes draft nodes; earlier continuations get lower node indices first."""
+    tokens, parents = [root], [-1]
+    children: dict[tuple[int, int], int] = {}
+    for cont in continuations:
+        cur = 0
+        for tok in cont:
+            nxt = children.get((cur, tok))
+            if nxt is None:
+                if len(tokens) - 1 >= max_nodes:
+                    break
+                tokens.append(tok)
+                parents.append(cur)
+                nxt = len(tokens) - 1
+                children[(cur, tok)] = nxt
+            cur = nxt
+    return DraftTree(tokens, parents)
+
+
+def select_top_nodes(scores: list[float], parents: list[int], n: int) -> list[int]:
+    """EAGLE-2 reranking: indices of the n draft nodes (1..len-1; 0 is the root) with the
+    highest cumulative log-probability, as a sorted list. Along a path scores never
+    increase, so the selection is closed under ancestors; ties go to the earlier node
+    (a parent precedes its children), which keeps that true for log-prob 0 steps too."""
+    order = sorted(range(1, len(scores)), key=lambda i: (-scores[i], i))
+    chosen = set(order[:n])
+    for i in list(chosen):  # defensive: NaN-free scores never need this
+        p = parents[i]
+        while p > 0 and p not in chosen:
+            chosen.add(p)
+            p = parents[p]
+    return sorted(chosen)
+
+
+def subtree(tree_tokens: list[int], tree_parents: list[int], keep: list[int],
+            draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """The tree restricted to the root and the draft nodes `keep` (sorted, closed under
+    ancestors), renumbered."""
+    index = {0: 0}
+    for new, old in enumerate(keep, 1):
+        index[old] = new
+    nodes = [0] + keep
+    parents = [-1] + [index[tree_parents[i]] for i in keep]
+    probs = None if draft_probs is None else draft_probs[nodes]
+    return DraftTree([tree_tokens[i] for i in nodes], parents, probs)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64 parents (-1: root or padding) -> [B, N, N] bool: node i sees node j iff
+    j is i or an ancestor of i. Padding nodes see only themselves."""
+    b, n = parents.shape
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    for i in range(1, n):
+        p = parents[:, i]
+        has = p >= 0
+        if bool(has.any()):
+            rows = has.nonzero().squeeze(1)
+            mask[rows, i] |= mask[rows, p[rows]]
+    return mask
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] parents -> [B, N] int64 depths (root and padding 0)."""
+    b, n = parents.shape
+    depth = torch.zeros(b, n, dtype=torch.int64, device=parents.device)
+    for i in range(1, n):
+        p = parents[:, i]
+        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+    return depth
+
+
+@dataclasses.dataclass(kw_only=True)
+class TreeBatch:
+    """Draft trees of a batch, padded to one N: the inputs of verify_forward and verify."""
+
+    parents: torch.Tensor  # [B, N] int64, -1 for the root and padding
+    draft_tokens: torch.Tensor  # [B, N] int64, -1 for padding
+    query_tokens: torch.Tensor  # [B, N] int64 forward inputs (padding -> 0)
+    positions: torch.Tensor  # [B, N] int64 RoPE positions (padding -> root position)
+    tree_mask: torch.Tensor  # [B, N, N] bool: query i sees query j
+    draft_probs: torch.Tensor | None  # [B, N, vocab] float32, None = one-hot proposals
+    num_nodes: list[int]  # real nodes per sequence (root included)
+    max_depth: int
+
+    @classmethod
+    def pack(cls, trees: list[DraftTree], root_positions: list[int], vocab: int) -> "TreeBatch":
+        b = len(trees)
+        n = max(len(t.tokens) for t in trees)
+        parents = torch.full((b, n), -1, dtype=torch.int64)
+        tokens = torch.full((b, n), -1, dtype=torch.int64)
+        # Sampled trees carry draft_probs; when a batch mixes them with one-hot trees, the
+        # one-hot ones get explicit one-hot rows (the same proposal, verified the same way).
+        probs = torch.zeros(b, n, vocab) if any(t.draft_probs is not None for t in trees) else None
+        for i, t in enumerate(trees):
+            k = len(t.tokens)
+            parents[i, :k] = torch.tensor(t.parents, dtype=torch.int64)
+            tokens[i, :k] = torch.tensor(t.tokens, dtype=torch.int64)
+            if probs is not None:
+                if t.draft_probs is not None:
+                    probs[i, :k] = t.draft_probs.float()
+                else:
+                    probs[i, torch.arange(1, k), tokens[i, 1:k]] = 1.0
+        depth = node_depths(parents)
+        positions = torch.tensor(root_positions, dtype=torch.int64)[:, None] + depth
+        return cls(parents=parents, draft_tokens=tokens, query_tokens=tokens.clamp(min=0),
+                   positions=positions, tree_mask=ancestor_mask(parents), draft_probs=probs,
+                   num_nodes=[len(t.tokens) for t in trees], max_depth=int(depth.max()))
+
+    @classmethod
+    def make_dummy(cls, batch: int = 2, depth: int = 3, topk: int = 2, vocab: int = 32,
+                   seed: int = 0) -> "TreeBatch":
+        """Random full top-k trees (chains for topk=1) rooted at position 7, for tests."""
+        g = torch.Generator().manual_seed(seed)
+        trees = []
+        for _ in range(batch):
+            toks, pars, frontier = [int(torch.randint(vocab, (), generator=g))], [-1], [0]
+            for _ in range(depth):
+                new = []
+                for f in frontier[:topk]:
+                    for _ in range(topk):
+                        toks.append(int(torch.randint(vocab, (), generator=g)))
+                        pars.append(f)
+                        new.append(len(toks) - 1)
+                frontier = new
+            trees.append(DraftTree(toks, pars))
+        return cls.pack(trees, [7] * batch, vocab)
+
+
+class TreeBuilder:
+    """Builds one sequence's draft tree level by level (EAGLE-2 dynamic tree; a chain when
+    topk = 1). The drafter forwards `frontier` nodes (tokens `tokens[i]`, parents
+    `parents[i]`), then calls `expand_topk` with their draft log-probabilities (top-k
+    children each, deterministic: ties -> lowest id) or, for sampled chains,
+    `expand_sampled`. The top-k candidates by cumulative log-probability form the next
+    frontier; `result()` keeps the num_draft_nodes best nodes of all candidates."""
+
+    def __init__(self, root: int, strategy: Strategy, max_depth: int):
+        self.strategy = strategy
+        self.tokens = [root]
+        self.parents = [-1]
+        self.scores = [0.0]
+        self.rows: dict[int, torch.Tensor] = {}  # node -> draft distribution [vocab] (sampled)
+        self.frontier = [0]
+        self.level = 0
+        levels = min(strategy.depth, max_depth)
+        if strategy.is_chain:
+            levels = min(levels, strategy.num_draft_nodes)
+        self.max_levels = max(levels, 0)
+        self.fallback_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.fallback_reason is not None or self.level >= self.max_levels or not self.frontier
+
+    def fail(self, reason: str) -> None:
+        self.fallback_reason = reason
+
+    def _add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def expand_topk(self, logp: torch.Tensor,  # [len(frontier), V'] draft log-probs (-inf allowed)
+                    to_target=None) -> None:
+        k = self.strategy.topk
+        vals, ids = torch.sort(logp.float(), dim=-1, descending=True, stable=True)
+        vals, ids = vals[:, :k].tolist(), ids[:, :k]
+        if to_target is not None:
+            ids = to_target(ids)
+        ids = ids.tolist()
+        cands = []
+        for r, f in enumerate(self.frontier):
+            for j in range(k):
+                if vals[r][j] != float("-inf"):
+                    cands.append((self.scores[f] + vals[r][j], r, j, f, ids[r][j]))
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        nodes = [self._add(tok, f, s) for s, _, _, f, tok in cands]
+        self.frontier = nodes[:k]
+        self.level += 1
+
+    def expand_sampled(self, token: int, draft_row: torch.Tensor) -> None:
+        """Chains at temperature > 0: the child token drawn from draft_row ([vocab], the
+        processed draft distribution in the target vocabulary)."""
+        (f,) = self.frontier
+        node = self._add(token, f, 0.0)
+        self.rows[node] = draft_row
+        self.frontier = [node]
+        self.level += 1
+
+    def result(self, vocab: int | None = None) -> DraftTree:
+        if self.fallback_reason is not None:
+            return DraftTree.failed(self.tokens[0], self.fallback_reason)
+        probs = None
+        if self.rows:
+            probs = torch.zeros(len(self.tokens), vocab)
+            for node, row in self.rows.items():
+                probs[node] = row
+        if self.strategy.is_chain:
+            return DraftTree(self.tokens, self.parents, probs)
+        keep = select_top_nodes(self.scores, self.parents, self.strategy.num_draft_nodes)
+        return subtree(self.tokens, self.parents, keep, probs)

@@ -1,0 +1,218 @@
+"""EAGLE drafter: ownership of weights, packed training forward, drafting with its own
+KV cache (chains and trees equal step-by-step recomputation), reduced vocabulary,
+save/load in the HF-EAGLE-like layout."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from spec_testutil import make_engine, one_thread, random_eagle, spec_models  # noqa: E402,F401
+
+from megatron_tlt.errors import CheckpointError, ConfigError  # noqa: E402
+from megatron_tlt.rollout.sampling import SamplingParams, make_generator  # noqa: E402
+from megatron_tlt.spec.eagle import (DrafterConfig, EagleDrafter, EagleProposer,  # noqa: E402
+                                     count_frequent_tokens)
+from megatron_tlt.spec.export import (export_drafter, load_drafter, save_drafter,  # noqa: E402
+                                      validate_drafter_dir)
+from megatron_tlt.spec.tree import Strategy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engines(spec_models):
+    return {k: make_engine(v) for k, v in spec_models.items()}
+
+
+def test_drafter_owns_only_its_weights(engines):
+    for name in ("llama", "tied"):
+        e = engines[name]
+        target = [t.clone() for t in e.weights.tensors()]
+        d = random_eagle(e)
+        ptrs = {t.data_ptr() for t in e.weights.tensors()}
+        assert not ptrs & {p.data_ptr() for p in d.parameters()}
+        assert not ptrs & {t.data_ptr() for t in d.state_dict().values()}
+        assert set(d.state_dict()) == {k for k, _ in d.named_parameters()}
+        assert not any("embed" in k or "lm_head" in k for k in d.state_dict())
+        assert d.target_embed is e.weights.embed and d.target_lm_head is e.weights.lm_head
+        before = {k: v.clone() for k, v in d.state_dict().items()}
+        opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+        n = 12
+        tokens = torch.randint(e.arch.vocab_size, (n,))
+        f, logits = d.forward_packed(tokens, torch.randn(n, e.arch.hidden_size), torch.arange(1, n + 1),
+                                     torch.zeros(n, dtype=torch.int64))
+        (f.square().mean() + logits.logsumexp(-1).mean()).backward()
+        opt.step()
+        for t, ref in zip(e.weights.tensors(), target):
+            assert torch.equal(t, ref), "a drafter optimizer step changed a target tensor"
+            assert t.grad is None and not t.requires_grad
+        # Negative control: the drafter's own weights did move.
+        assert any(not torch.equal(v, before[k]) for k, v in d.state_dict().items())
+
+
+def test_packed_forward_has_no_cross_sample_attention(engines):
+    e = engines["qwen2"]
+    d = random_eagle(e)
+    h = e.arch.hidden_size
+    a_tok, b_tok = torch.randint(300, (5,)), torch.randint(300, (7,))
+    a_f, b_f = torch.randn(5, h), torch.randn(7, h)
+    with torch.no_grad():
+        fa, la = d.forward_packed(a_tok, a_f, torch.arange(1, 6), torch.zeros(5, dtype=torch.int64))
+        fb, lb = d.forward_packed(b_tok, b_f, torch.arange(1, 8), torch.zeros(7, dtype=torch.int64))
+        f, lg = d.forward_packed(torch.cat([a_tok, b_tok]), torch.cat([a_f, b_f]),
+                                 torch.cat([torch.arange(1, 6), torch.arange(1, 8)]),
+                                 torch.tensor([0] * 5 + [1] * 7))
+        f_leak, _ = d.forward_packed(torch.cat([a_tok, b_tok]), torch.cat([a_f, b_f]),
+                                     torch.cat([torch.arange(1, 6), torch.arange(1, 8)]),
+                                     torch.zeros(12, dtype=torch.int64))
+    torch.testing.assert_close(f, torch.cat([fa, fb]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lg, torch.cat([la, lb]), rtol=0, atol=1e-4)
+    assert not torch.allclose(f_leak[5:], fb, atol=1e-3)  # one segment: b attends to a
+
+
+def _fake_seq(seq_id, tokens, temperature=0.0, seed=0):
+    req = types.SimpleNamespace(sampling_params=SamplingParams(temperature=temperature, max_new_tokens=64),
+                                prompt_id=seq_id)
+    return types.SimpleNamespace(seq_id=seq_id, token_ids=list(tokens), request=req,
+                                 generator=make_generator(seed, seq_id, 0))
+
+
+def _reference_logits(d, tokens, feats, extra):
+    """Drafter logits of the last pair of a sequence whose committed pairs are
+    (tokens[t+1], feats[t]) and whose drafted pairs `extra` are (token, feature)."""
+    n = len(tokens) - 1
+    toks = torch.tensor(tokens[1:] + [t for t, _ in extra])
+    f_in = torch.cat([feats[:n]] + [f[None] for _, f in extra])
+    pos = torch.arange(1, toks.numel() + 1)
+    f, lg = d.forward_packed(toks, f_in, pos, torch.zeros(toks.numel(), dtype=torch.int64))
+    return f[-1], lg[-1]
+
+
+@pytest.mark.parametrize("draft_vocab, max_pending", [(None, 256), (48, 256), (None, 1)])
+def test_drafting_matches_recomputation(engines, draft_vocab, max_pending):
+    """Incremental extends (lazy, or eager with max_pending=1) + tree attention over the
+    drafter's own cache give the same drafts as recomputing every path from scratch."""
+    e = engines["qwen3"]
+    d = random_eagle(e, seed=1, draft_vocab=draft_vocab)
+    prop = EagleProposer(d, max_pending=max_pending)
+    d.batch_invariant = False  # the reference runs untiled: compare with a tolerance
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(e.arch.vocab_size, (14,), generator=g).tolist()
+    feats = torch.randn(13, e.arch.hidden_size, generator=g)
+    seq = _fake_seq(0, tokens[:6])
+    prop.observe(seq, 0, feats[:5])
+    strategy = Strategy(depth=3, topk=2, num_verify_tokens=9)
+    with torch.no_grad():
+        for upto in (6, 9, 14):  # three steps, the sequence growing in between
+            seq.token_ids = tokens[:upto]
+            if upto > 6:
+                prev = prop.states[0].num_features
+                prop.observe(seq, prev, feats[prev:upto - 1])
+            (tree,) = prop.propose([seq], strategy, [3], [seq])
+            assert tree.fallback_reason is None and tree.num_drafts == 8
+            assert prop.states[0].num_pairs == upto - 1
+            # Every node's children are among the top-k of the reference logits along
+            # its path (each drafted pair fed the drafter's own f of its parent).
+            for node in range(len(tree.tokens)):
+                kids = [i for i in range(1, len(tree.tokens)) if tree.parents[i] == node]
+                if not kids:
+                    continue
+                path = []
+                while node > 0:
+                    path.insert(0, node)
+                    node = tree.parents[node]
+                f_prev, lg = _reference_logits(d, tokens[:upto], feats, [])
+                extra = []
+                for p in path:
+                    extra.append((tree.tokens[p], f_prev))
+                    f_prev, lg = _reference_logits(d, tokens[:upto], feats, extra)
+                top = d.to_target_ids(lg.topk(2).indices).tolist()
+                assert {tree.tokens[k] for k in kids} <= set(top), (upto, path)
+
+
+def test_sampled_chain_probs_live_in_the_draft_vocabulary(engines):
+    e = engines["llama"]
+    d = random_eagle(e, seed=2, draft_vocab=40)
+    prop = EagleProposer(d)
+    seq = _fake_seq(3, list(range(10, 20)), temperature=0.7, seed=5)
+    prop.observe(seq, 0, torch.randn(9, e.arch.hidden_size))
+    (tree,) = prop.propose([seq], Strategy(depth=4), [4], [seq])
+    assert tree.draft_probs is not None and tree.draft_probs.shape == (5, e.arch.vocab_size)
+    rows = tree.draft_probs[1:]
+    torch.testing.assert_close(rows.sum(-1), torch.ones(4))
+    outside = torch.ones(e.arch.vocab_size, dtype=torch.bool)
+    outside[d.draft_to_target] = False
+    assert float(rows[:, outside].abs().max()) == 0.0
+    assert all(int(t) in set(d.draft_to_target.tolist()) for t in tree.tokens[1:])
+    for i, t in enumerate(tree.tokens[1:], 1):
+        assert tree.draft_probs[i, t] > 0  # each token was drawn from its row
+
+
+def test_count_frequent_tokens():
+    ids = count_frequent_tokens([[5, 5, 5, 2, 2, 9], torch.tensor([9, 9, 9, 1])], 12, 3)
+    assert ids.tolist() == [2, 5, 9]
+    assert count_frequent_tokens([[3]], 6, 3).tolist() == [0, 1, 3]  # ties -> lower id
+    with pytest.raises(ConfigError, match="draft vocabulary size 7"):
+        count_frequent_tokens([[1]], 6, 7)
+
+
+def test_fusion_config(engines):
+    e = engines["llama"]
+    cfg = DrafterConfig(arch=e.arch, fuse_layers=(0, 1))
+    d = EagleDrafter(cfg, e.weights.embed, e.weights.lm_head)
+    assert d.fuse.weight.shape == (e.arch.hidden_size, 2 * e.arch.hidden_size)
+    f, _ = d.forward_packed(torch.arange(4), torch.randn(4, 2 * e.arch.hidden_size), torch.arange(1, 5),
+                            torch.zeros(4, dtype=torch.int64))
+    assert f.shape == (4, e.arch.hidden_size)
+    with pytest.raises(ConfigError, match="per-layer target hidden states"):
+        EagleProposer(d)
+    with pytest.raises(ConfigError, match="fuse_layers entry 2"):
+        DrafterConfig(arch=e.arch, fuse_layers=(2,))
+
+
+def test_save_load_round_trip(engines, tmp_path):
+    from safetensors import safe_open
+    e = engines["qwen2"]
+    d = random_eagle(e, seed=4, draft_vocab=50)
+    save_drafter(d, str(tmp_path / "dr"))
+    with safe_open(str(tmp_path / "dr" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert keys == set(d.state_dict()) | {"d2t", "t2d"}
+    d2 = load_drafter(str(tmp_path / "dr"), e.arch, e.weights.embed, e.weights.lm_head)
+    assert torch.equal(d2.draft_to_target, d.draft_to_target)
+    for k, v in d.state_dict().items():
+        assert torch.equal(d2.state_dict()[k], v), k
+    x = (torch.arange(6), torch.randn(6, e.arch.hidden_size), torch.arange(1, 7), torch.zeros(6, dtype=torch.int64))
+    with torch.no_grad():
+        assert torch.equal(d.forward_packed(*x)[1], d2.forward_packed(*x)[1])
+    # export-drafter copies and re-validates.
+    export_drafter(str(tmp_path / "dr"), str(tmp_path / "out"))
+    assert validate_drafter_dir(str(tmp_path / "out")).draft_vocab_size == 50
+
+
+def test_load_errors_name_the_problem(engines, spec_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    e = engines["qwen2"]
+    path = str(tmp_path / "dr")
+    save_drafter(random_eagle(e), path)
+    wfile = os.path.join(path, "model.safetensors")
+    good = load_file(wfile)
+    with pytest.raises(CheckpointError, match="hidden_size=64, but the target has 32"):
+        other = e.arch.__class__(**{**e.arch.to_dict(), "hidden_size": 32, "head_dim": 8})
+        load_drafter(path, other, e.weights.embed, e.weights.lm_head)
+    save_file({**good, "embed_tokens.weight": e.weights.embed.clone()}, wfile)
+    with pytest.raises(CheckpointError, match="'embed_tokens.weight' is not part of the drafter"):
+        validate_drafter_dir(path)
+    save_file({k: v for k, v in good.items() if k != "fc.weight"}, wfile)
+    with pytest.raises(CheckpointError, match="'fc.weight' is missing"):
+        validate_drafter_dir(path)
+    save_file({**good, "norm.weight": torch.ones(3)}, wfile)
+    with pytest.raises(CheckpointError, match=r"'norm.weight' has shape \(3,\)"):
+        validate_drafter_dir(path)
+    with pytest.raises(CheckpointError, match="drafter directory not found"):
+        validate_drafter_dir(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="not a megatron_tlt drafter"):
+        validate_drafter_dir(spec_models["qwen2"])  # a target model, not a drafter

@@ -1,0 +1,146 @@
+"""Offline drafter training: data from the target's own responses, packing, the loss
+going down, acceptance going up, save/reload exactness, the command line."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from spec_testutil import (VOCAB, make_engine, make_hf_model, one_thread, prompts,  # noqa: E402,F401
+                           requests, run, spec_models)
+
+from megatron_tlt.errors import TLTError  # noqa: E402
+from megatron_tlt.spec.eagle import EagleProposer  # noqa: E402
+from megatron_tlt.spec.export import load_drafter  # noqa: E402
+from megatron_tlt.spec.train_drafter import (DrafterTrainer, TrainSample, build_drafter,  # noqa: E402
+                                             collect_samples, main, pack_samples, train)
+from megatron_tlt.spec.tree import Strategy  # noqa: E402
+
+FAM = "llama"
+
+
+@pytest.fixture(scope="module")
+def data(spec_models):
+    engine = make_engine(spec_models[FAM], max_num_seqs=16, num_blocks=400)
+    ps = [(i, p) for i, p in enumerate(prompts(VOCAB[FAM], [6] * 16, seed=7))]
+    return engine, ps, collect_samples(engine, ps, max_new_tokens=40, progress=False)
+
+
+def test_samples_and_packs(data):
+    engine, ps, samples = data
+    s = samples[0]
+    assert s.tokens.numel() == 46 and s.features.shape == (45, engine.arch.hidden_size)
+    packs = pack_samples(samples[:3], 100)
+    assert [p.num_tokens for p in packs] == [88, 44]
+    p = packs[0]
+    assert p.segment_ids.tolist() == [0] * 44 + [1] * 44
+    assert p.positions[:3].tolist() == [1, 2, 3] and p.positions[44] == 1
+    assert torch.equal(p.tokens[:44], s.tokens[1:45])
+    assert torch.equal(p.features[:44], s.features[:44])
+    assert torch.equal(p.target_features[:44], s.features[1:45])
+    chunks = pack_samples(samples[:1], 20)  # a long sample is split; positions continue
+    assert [c.num_tokens for c in chunks] == [20, 20, 4] and chunks[1].positions[0] == 21
+    r = TrainSample(tokens=s.tokens, features=s.features, loss_start=4)
+    assert pack_samples([r], 100)[0].loss_mask.tolist() == [False] * 4 + [True] * 40
+
+
+def test_training_lowers_loss_raises_acceptance_and_never_touches_the_target(data, spec_models):
+    engine, ps, samples = data
+    target = [t.clone() for t in engine.weights.tensors()]
+    drafter = build_drafter(engine.arch, engine.weights, samples, seed=0)
+    untrained = build_drafter(engine.arch, engine.weights, samples, seed=0)
+    packs = pack_samples(samples, 256)
+    trainer = DrafterTrainer(drafter, lr=3e-3)
+    before = trainer.evaluate(packs)
+    history = train(trainer, packs, 40, progress=False)
+    after = trainer.evaluate(packs)
+    assert after["loss"] < 0.85 * before["loss"] and after["top1"] > before["top1"]
+    assert len(history) == 40 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+    for t, ref in zip(engine.weights.tensors(), target):
+        assert torch.equal(t, ref)
+    reqs = requests(VOCAB[FAM], [6] * 16, prompt_seed=7, max_new_tokens=40)
+    base, _ = run(spec_models[FAM], reqs, max_num_seqs=16, num_blocks=400)
+    accepted = {}
+    for name, dr in (("untrained", untrained), ("trained", drafter)):
+        res, e = run(spec_models[FAM], reqs, lambda e, dr=dr: EagleProposer(dr), Strategy(depth=3),
+                     max_num_seqs=16, num_blocks=400)
+        assert [r.token_ids for r in res] == [r.token_ids for r in base]
+        accepted[name] = e.spec_decoder.metrics.summary()["total"]["accepted"]
+    assert accepted["trained"] > 2 * accepted["untrained"], accepted
+
+
+def test_checkpoint_reloads_to_identical_outputs(data, tmp_path):
+    engine, ps, samples = data
+    drafter = build_drafter(engine.arch, engine.weights, samples, draft_vocab_size=120, seed=1)
+    packs = pack_samples(samples, 256)
+    trainer = DrafterTrainer(drafter, lr=3e-3)
+    train(trainer, packs, 3, progress=False)
+    path = str(tmp_path / "ckpt")
+    trainer.save_checkpoint(path)
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "optimizer.pt",
+                                        "trainer_state.json"]
+    loaded = load_drafter(path, engine.arch, engine.weights.embed, engine.weights.lm_head)
+    assert torch.equal(loaded.draft_to_target, drafter.draft_to_target)
+    p = packs[0]
+    with torch.no_grad():
+        drafter.eval()
+        a = drafter.forward_packed(p.tokens, p.features, p.positions, p.segment_ids)
+        b = loaded.forward_packed(p.tokens, p.features, p.positions, p.segment_ids)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # Resuming: the optimizer state and step come back too; one more step agrees exactly.
+    resumed = DrafterTrainer(loaded, lr=3e-3)
+    resumed.load_optimizer(path)
+    assert resumed.step_count == 3
+    m1, m2 = trainer.step(packs[1]), resumed.step(packs[1])
+    assert m1["loss"] == m2["loss"]
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+
+
+def _write_prompts(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_command_line_end_to_end(spec_models, tmp_path):
+    from megatron_tlt import cli
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6, 7, 8], seed=3)])
+    out = str(tmp_path / "drafter")
+    rc = main(["--target", d, "--data", data, "--out", out, "--max-new-tokens", "12", "--steps", "4",
+               "--batch-tokens", "32", "--draft-vocab", "64", "--no-progress"])
+    assert rc == 0
+    summary = json.loads(open(os.path.join(out, "train_summary.json")).read())
+    assert summary["samples"] == 4 and summary["steps"] == 4
+    cfg = json.loads(open(os.path.join(out, "config.json")).read())
+    assert cfg["eagle_config"]["draft_vocab_size"] == 64 and cfg["num_hidden_layers"] == 1
+    exported = str(tmp_path / "exported")
+    assert cli.main(["export-drafter", "--ckpt", out, "--out", exported]) == 0
+    assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]
+    with pytest.raises(TLTError, match="--steps must be >= 1"):
+        main(["--target", d, "--data", data, "--out", out, "--steps", "0"])
+
+
+def test_tasks_with_the_tiny_tokenizer(tmp_path):
+    from megatron_tlt.data.tokenizer import TINY_TOKENIZER_DIR
+    d = str(tmp_path / "m")
+    make_hf_model("llama", d, vocab_size=100, seed=1, tie=False)
+    for f in os.listdir(TINY_TOKENIZER_DIR):
+        shutil.copy(os.path.join(TINY_TOKENIZER_DIR, f), d)
+    out = str(tmp_path / "dr")
+    assert main(["--target", d, "--tasks", "arith,sort", "--num-prompts", "3", "--out", out,
+                 "--max-new-tokens", "6", "--steps", "2", "--no-progress"]) == 0
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    with pytest.raises(TLTError, match="needs a tokenizer"):
+        main(["--target", _no_tokenizer(tmp_path), "--tasks", "arith", "--out", out, "--no-progress"])
+
+
+def _no_tokenizer(tmp_path):
+    d = str(tmp_path / "bare")
+    make_hf_model("llama", d, vocab_size=100, seed=1, tie=False)
+    return d
