@@ -20,9 +20,9 @@ and across preemption/re-prefill. GPU kernels will need their own batch-invarian
 
 Hidden states for drafter training (`return_hidden=True`):
 - `hidden_final`: after the final RMSNorm — exactly what the LM head multiplies
-  (HF `output_hidden_states[-1]`);
+  (HF `output_hidden_states[-1]`); what our EAGLE-1/2-style drafter consumes;
 - `hidden_pre_norm`: the residual stream after the last decoder layer, before the final
-  norm (what EAGLE-style drafters usually consume).
+  norm.
 """
 
 from __future__ import annotations
