@@ -232,6 +232,52 @@ class ConfigSection:
 
 
 @dataclass(kw_only=True)
+class ArchConfig(ConfigSection):
+    """Architecture of a randomly initialised policy: used when model.hf_path and
+    model.mcore_ckpt are both null (SFT from scratch). Mirrors models.arch.ModelArch."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    """Decoder family: llama, qwen2 (QKV bias) or qwen3 (QK-norm)."""
+    vocab_size: int = 100
+    """Vocabulary size (at least the tokenizer's; 100 is the built-in tiny tokenizer)."""
+    hidden_size: int = 128
+    """Model width."""
+    intermediate_size: int = 384
+    """SwiGLU MLP width."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention (query) heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); num_heads must be a multiple."""
+    head_dim: int = 0
+    """Per-head width; 0: hidden_size // num_heads."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the model is meant for (the rollout engine's default limit)."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            self._check_min(name, 1)
+        self._check_min("head_dim", 0)
+        self._check_min("rope_theta", 0.0, strict=True)
+        self._check_min("rms_norm_eps", 0.0, strict=True)
+        self._check(self.num_heads % self.num_kv_heads == 0,
+                    f"{self._key('num_heads')} ({self.num_heads}) must be a multiple of "
+                    f"{self._key('num_kv_heads')} ({self.num_kv_heads})")
+        self._check(self.head_dim > 0 or self.hidden_size % self.num_heads == 0,
+                    f"{self._key('hidden_size')} ({self.hidden_size}) must be a multiple of "
+                    f"{self._key('num_heads')} ({self.num_heads}) when {self._key('head_dim')} is 0")
+
+
+@dataclass(kw_only=True)
 class ModelConfig(ConfigSection):
     hf_path: str | None = None
     """Hugging Face model directory (config.json, *.safetensors, tokenizer); null: none."""
@@ -241,6 +287,10 @@ class ModelConfig(ConfigSection):
     """Parameter/compute dtype of the actor and the rollout engine."""
     seq_length: int = 2048
     """Maximum tokens per sequence (prompt + response)."""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    """Architecture for random initialisation (only when hf_path and mcore_ckpt are null)."""
+    use_te: bool | None = None
+    """TransformerEngine layer spec for the actor: null = when importable on a GPU."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -370,6 +420,99 @@ class LoggingConfig(ConfigSection):
 
 
 @dataclass(kw_only=True)
+class DataConfig(ConfigSection):
+    """Training data: built-in synthetic tasks, or a JSONL/Parquet file."""
+
+    tasks: list[str] = field(default_factory=lambda: ["arith", "sort"])
+    """Synthetic task families, cycled in this order (repeat a name to weight it)."""
+    path: str | None = None
+    """JSONL/Parquet dataset (instead of the synthetic tasks); null: synthetic."""
+    val_path: str | None = None
+    """Validation file; null: the last data.num_val records of data.path are held out."""
+    prompt_field: str = "prompt"
+    """Field (dotted path) of the prompt text in data files."""
+    solution_field: str = "solution"
+    """Field (dotted path) of the reference solution text (SFT target) in data files."""
+    answer_field: str = "answer"
+    """Field (dotted path) of the verifiable final answer in data files."""
+    num_train: int = 20000
+    """Synthetic training samples generated (train split); SFT cycles over them in epochs."""
+    num_val: int = 256
+    """Held-out samples for the validation loss (synthetic: the test split)."""
+    tokenizer: str | None = None
+    """'tiny', an HF tokenizer directory, or null: the model's own (hf_path / mcore_ckpt),
+    else 'tiny'."""
+    overlong: Literal["drop", "truncate"] = "drop"
+    """SFT samples longer than model.seq_length + 1 tokens: drop them, or keep their start."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check(len(self.tasks) > 0 or self.path is not None,
+                    f"{self._key('tasks')} must name at least one task when {self._key('path')} is null")
+        self._check_min("num_train", 1)
+        self._check_min("num_val", 1)
+        for name in ("path", "val_path", "tokenizer"):
+            self._check(getattr(self, name) != "", f"{self._key(name)} must be a value or null, got ''")
+        self._check(self.val_path is None or self.path is not None,
+                    f"{self._key('val_path')} ({self.val_path!r}) needs {self._key('path')}")
+
+
+@dataclass(kw_only=True)
+class SFTConfig(ConfigSection):
+    """Supervised fine-tuning (`megatron-tlt sft`): packing, schedule, evaluation."""
+
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from optim.lr to optim.min_lr after optim.lr_warmup_steps of linear warm-up."""
+    eval_interval: int = 50
+    """Validation loss every this many steps (and at the end); 0: only at the end."""
+    pack: bool = True
+    """Several samples per row with a block-diagonal attention mask; false: one per row."""
+    export_hf: bool = True
+    """Write the final model in HF format to <train.out_dir>/hf (loadable by the rollout engine)."""
+    exit_at_step: int = 0
+    """Stop after this step (saving a checkpoint), e.g. to split a run into jobs; 0: never."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_min("eval_interval", 0)
+        self._check_min("exit_at_step", 0)
+
+
+@dataclass(kw_only=True)
+class RLConfig(ConfigSection):
+    """GRPO / PPO-family settings of `megatron-tlt train`."""
+
+    reward: str | None = None
+    """Reward for a data.path dataset: a registered name or 'module:function'; null: per task."""
+    std_normalize: bool = True
+    """Divide group advantages by the group's std (GRPO); false: Dr.GRPO."""
+    dapo_filter: bool = False
+    """Drop groups whose rewards are all equal (they carry no gradient)."""
+    clip_eps_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """PPO clip: ratio <= 1 + clip_eps_high (DAPO clip-higher when larger than clip_eps_low)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen initial policy; 0 disables (no reference model)."""
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """Mean over all response tokens of the step, or per response then over responses."""
+    max_num_seqs: int = 256
+    """Rollout engine: sequences decoded together."""
+    num_kv_blocks: int = 4096
+    """Rollout engine: KV-cache blocks of 16 tokens (per layer)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_min("clip_eps_low", 0.0)
+        self._check_min("clip_eps_high", 0.0)
+        self._check_min("kl_coef", 0.0)
+        self._check_min("max_num_seqs", 1)
+        self._check_min("num_kv_blocks", 1)
+
+
+@dataclass(kw_only=True)
 class Config(ConfigSection):
     """The whole run configuration: one field per section."""
 
@@ -385,6 +528,12 @@ class Config(ConfigSection):
     """Steps, batch sizes, seed, output and checkpointing."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics logging."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data (synthetic tasks or a file) and tokenizer."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning settings."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """GRPO / PPO-family settings of the RL loop."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

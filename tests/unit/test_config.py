@@ -47,7 +47,7 @@ def sections(cls=Config, prefix=""):
 def test_defaults_are_valid_and_complete():
     cfg = load_config(None, [])
     assert cfg == Config()
-    assert set(config_to_dict(cfg)) == {"model", "parallel", "optim", "rollout", "train", "logging"}
+    assert set(config_to_dict(cfg)) == {"model", "parallel", "optim", "rollout", "train", "logging", "data", "sft", "rl"}
 
 
 def test_yaml_then_overrides(tmp_path):

@@ -1,0 +1,357 @@
+"""`megatron-tlt train`: the GRPO loop on the Megatron-Core actor with native rollouts.
+
+One step, on every rank (SPMD):
+  prompts (this DP rank's share)  -> rollout on the model-parallel group's first rank,
+  broadcast to its TP/PP peers    -> rewards -> group advantages (+ DAPO filter)
+  -> actor log-probs (old; and reference when KL is on) -> PPO-clip update
+  -> weights synced into the engine in place (policy version + 1) -> metrics, checkpoint.
+
+Randomness is an input: request r of a step is sampled with the seed
+hash(run seed, step, prompt id, sample index), so a resumed run replays the same tokens.
+Data order: an epoch is a seeded permutation of the prompt set; the data position
+(prompts consumed) is part of the checkpoint, and each step's prompt ids are appended to
+`ledger.jsonl` (rank 0), so a crash never processes a prompt twice or skips one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_tlt.errors import ConfigError, TLTError
+
+log = logging.getLogger(__name__)
+
+
+def request_seed(run_seed: int, step: int, prompt_id: str, sample_index: int) -> int:
+    h = hashlib.sha256(f"{run_seed}/{step}/{prompt_id}/{sample_index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def _percentiles(xs: list[int]) -> dict:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"len_p50": pick(0.5), "len_p90": pick(0.9), "len_p99": pick(0.99), "len_max": s[-1],
+            "len_mean": sum(s) / len(s)}
+
+
+@dataclasses.dataclass
+class _Prompt:
+    prompt_id: str
+    prompt: str
+    answer: str
+    task: str
+
+
+class RLRun:
+    def __init__(self, cfg):
+        from megatron.core import parallel_state as ps
+
+        from megatron_tlt.checkpoint import Checkpointer
+        from megatron_tlt.metrics import MetricsWriter
+        from megatron_tlt.models import mcore
+        from megatron_tlt.models.actor import Actor
+        from megatron_tlt.models.optim import OptimSettings, build_optimizer
+
+        self.cfg = cfg
+        par = cfg.parallel
+        mcore.init_parallel(par.tp, par.pp, seed=cfg.train.seed)
+        world = dist.get_world_size()
+        if world != par.tp * par.pp * par.dp:
+            raise ConfigError(f"parallel.tp ({par.tp}) x parallel.pp ({par.pp}) x parallel.dp ({par.dp}) "
+                              f"must equal the world size ({world})")
+        self.rank = dist.get_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp = ps.get_data_parallel_world_size()
+        self.out_dir = cfg.train.out_dir
+        os.makedirs(self.out_dir, exist_ok=True)
+
+        self.model_dir = self._model_dir()
+        self.tokenizer = self._tokenizer()
+        self.prompts = self._prompts()
+        n = cfg.rollout.n_samples
+        if cfg.train.global_batch_size % n:
+            raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+                              f"rollout.n_samples ({n})")
+        self.prompts_per_step = cfg.train.global_batch_size // n
+        if self.prompts_per_step % self.dp:
+            raise ConfigError(f"prompts per step ({self.prompts_per_step} = train.global_batch_size / "
+                              f"rollout.n_samples) must be a multiple of parallel.dp ({self.dp})")
+
+        mc_dir = self._mcore_checkpoint()
+        from megatron_tlt.models.mcore_ckpt import read_meta
+
+        meta = read_meta(mc_dir)
+        self.arch = meta["arch"]
+        dtype = cfg.model.dtype
+        self.actor = Actor(self.arch, tp=par.tp, pp=par.pp, dtype=dtype, use_te=cfg.model.use_te)
+        self.actor.load(mc_dir)
+        o = cfg.optim
+        self.optimizer = build_optimizer(self.actor, OptimSettings(
+            lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+            adam_eps=o.eps, clip_grad=o.clip_grad))
+        self.ref = None
+        if cfg.rl.kl_coef > 0:
+            self.ref = Actor(self.arch, tp=par.tp, pp=par.pp, dtype=dtype, use_te=cfg.model.use_te)
+            self.ref.load(mc_dir)
+            self.ref.model.requires_grad_(False)
+
+        self.engine = self._engine()
+        self.ckpt = Checkpointer(self.out_dir, keep_last=cfg.train.keep_last)
+        self.step = 0
+        self.data_pos = 0
+        path = self.ckpt.resolve(cfg.train.resume)
+        if path is not None:
+            state = self.ckpt.load(path, self.actor, self.optimizer)
+            self.step, self.data_pos = int(state["step"]), int(state["data_position"])
+        from megatron_tlt.weights.sync import sync_actor_to_engine
+
+        sync_actor_to_engine(self.actor, self.engine, version=self.step)
+        self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard,
+                                     resume_step=self.step if path is not None else None)
+
+    # ---- setup helpers -----------------------------------------------------------------
+    def _model_dir(self) -> Optional[str]:
+        m = self.cfg.model
+        if m.hf_path:
+            return m.hf_path
+        if m.mcore_ckpt:
+            return None
+        from megatron_tlt.demo import tiny_default_dir
+
+        path = tiny_default_dir()
+        if path is None:
+            raise ConfigError("model.hf_path and model.mcore_ckpt are null and this build ships no tiny default")
+        return path
+
+    def _tokenizer(self):
+        from megatron_tlt.data.tokenizer import load_tokenizer
+
+        name = self.cfg.data.tokenizer or self.model_dir or self.cfg.model.mcore_ckpt
+        return load_tokenizer(name)
+
+    def _prompts(self) -> list[_Prompt]:
+        from megatron_tlt.data.datasets import load_prompt_dataset
+        from megatron_tlt.data.tasks import make_dataset
+
+        d = self.cfg.data
+        if d.path:
+            samples = load_prompt_dataset(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                          task=self.cfg.rl.reward)
+            return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task or self.cfg.rl.reward) for s in samples]
+        samples = make_dataset(list(d.tasks), d.num_train, seed=self.cfg.train.seed, split="train")
+        return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task) for s in samples]
+
+    def _mcore_checkpoint(self) -> str:
+        from megatron_tlt.convert import hf_to_mcore
+
+        if self.cfg.model.mcore_ckpt:
+            return self.cfg.model.mcore_ckpt
+        dst = os.path.join(self.out_dir, "init_mcore")
+        if self.rank == 0 and not os.path.isfile(os.path.join(dst, "tlt_model.json")):
+            # Conversion builds its own world-of-one model; do it in the rank-0 process
+            # before the others read it.
+            _convert_in_place(self.model_dir, dst)
+        dist.barrier()
+        return dst
+
+    def _engine(self):
+        from megatron_tlt.rollout import EngineWeights, RolloutEngine
+
+        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.model.dtype]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        weights = EngineWeights(self.arch, dtype=dt, device=device)
+        r = self.cfg.rl
+        return RolloutEngine(self.arch, weights, max_num_seqs=r.max_num_seqs, num_blocks=r.num_kv_blocks,
+                             block_size=16, dtype=dt, device=device,
+                             max_model_len=self.cfg.model.seq_length,
+                             eos_token_ids=[self.tokenizer.eos_id], detokenize=self.tokenizer.decode,
+                             seed=self.cfg.train.seed)
+
+    # ---- the step ----------------------------------------------------------------------
+    def _step_prompts(self) -> list[_Prompt]:
+        """This DP rank's prompts for the current step (epochs are seeded permutations)."""
+        n = len(self.prompts)
+        ids = []
+        for k in range(self.prompts_per_step):
+            pos = self.data_pos + k
+            epoch, off = divmod(pos, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed * 1000 + epoch))
+            ids.append(int(perm[off]))
+        share = self.prompts_per_step // self.dp
+        mine = ids[self.dp_rank * share:(self.dp_rank + 1) * share]
+        return [self.prompts[i] for i in mine]
+
+    def _rollout(self, prompts: list[_Prompt]):
+        """Generate on the first rank of the model-parallel group; broadcast to the rest."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_tlt.data.rewards import compute_rewards
+        from megatron_tlt.rollout import Request, SamplingParams
+
+        group = ps.get_model_parallel_group()
+        src = dist.get_process_group_ranks(group)[0]
+        payload = [None]
+        if self.rank == src:
+            ro = self.cfg.rollout
+            reqs = []
+            for p in prompts:
+                ptoks = self.tokenizer.encode_prompt(p.prompt)
+                for j in range(ro.n_samples):
+                    sp = SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
+                                        max_new_tokens=ro.max_new_tokens,
+                                        seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id, j))
+                    reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
+                                        sampling_params=sp))
+            t0 = time.perf_counter()
+            results = self.engine.generate(reqs)
+            t_roll = time.perf_counter() - t0
+            for r in results:
+                if r.error:
+                    raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")
+            texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+            by_id = {p.prompt_id: p for p in prompts}
+            t1 = time.perf_counter()
+            rewards = []
+            for task in sorted({by_id[r.prompt_id].task for r in results}):
+                idx = [i for i, r in enumerate(results) if by_id[r.prompt_id].task == task]
+                vals = compute_rewards(task, [texts[i] for i in idx], [by_id[results[i].prompt_id].answer for i in idx],
+                                       [results[i].prompt_id for i in idx])
+                rewards.extend(zip(idx, vals))
+            rewards = [v for _, v in sorted(rewards)]
+            t_rew = time.perf_counter() - t1
+            payload = [{
+                "prompt_ids": [r.prompt_id for r in results], "sample_indices": [r.sample_index for r in results],
+                "prompt_tokens": [req.prompt_token_ids for req in reqs],
+                "response_tokens": [list(r.token_ids) for r in results],
+                "rollout_logprobs": [list(r.logprobs or []) for r in results],
+                "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
+                "policy_version": self.engine.policy_version,
+            }]
+        if dist.get_world_size(group) > 1:
+            dist.broadcast_object_list(payload, src=src, group=group)
+        return payload[0]
+
+    def run_step(self) -> dict:
+        from megatron.core import parallel_state as ps
+
+        from megatron_tlt.rl.advantages import group_advantages, informative_groups
+        from megatron_tlt.rl.losses import PPOLossConfig
+        from megatron_tlt.rl.step import RolloutBatch, actor_logprobs, make_microbatches, policy_update
+        from megatron_tlt.weights.sync import sync_actor_to_engine
+
+        cfg, r = self.cfg, self.cfg.rl
+        t_step = time.perf_counter()
+        prompts = self._step_prompts()
+        ro = self._rollout(prompts)
+        G = cfg.rollout.n_samples
+        rewards = torch.tensor(ro["rewards"], dtype=torch.float32).view(-1, G)
+        adv = group_advantages(rewards, std_normalize=r.std_normalize)
+        keep = informative_groups(rewards) if r.dapo_filter else torch.ones(rewards.shape[0], dtype=torch.bool)
+        batch = RolloutBatch(ro["prompt_ids"], ro["sample_indices"], ro["prompt_tokens"], ro["response_tokens"],
+                             ro["rollout_logprobs"], rewards.view(-1), adv.view(-1))
+        rows = [i for i in range(len(batch)) if bool(keep[i // G])]
+        lengths = [len(t) for t in batch.response_tokens]
+        m = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+             "groups_kept": int(keep.sum()), "groups": int(keep.numel()), **_percentiles(lengths),
+             "t_rollout": ro["t_rollout"], "t_reward": ro["t_reward"],
+             "rollout_tokens_per_s": sum(lengths) / max(ro["t_rollout"], 1e-9),
+             "policy_version": ro["policy_version"]}
+        # Every DP rank must run the same number of micro-batches: pad with masked rows.
+        n_local = torch.tensor([len(rows)], dtype=torch.long, device=self.actor.device)
+        dist.all_reduce(n_local, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        t0 = time.perf_counter()
+        if int(n_local) > 0:
+            sub = batch.select(rows) if rows else batch.select([0])
+            if not rows:
+                sub.advantages = torch.zeros(1)
+            mbs = make_microbatches(sub, seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
+                                    pad_id=self.tokenizer.pad_id)
+            need = -(-int(n_local) // cfg.train.micro_batch_size)
+            while len(mbs) < need:  # pad micro-batches of masked rows
+                pad = make_microbatches(batch.select([0]), seq_length=cfg.model.seq_length,
+                                        micro_batch_size=cfg.train.micro_batch_size, pad_id=self.tokenizer.pad_id)[0]
+                pad.loss_mask.zero_()
+                mbs.append(pad)
+            if not rows:
+                for mb in mbs:
+                    mb.loss_mask.zero_()
+            old = actor_logprobs(self.actor, mbs)
+            t_lp = time.perf_counter() - t0
+            ref = actor_logprobs(self.ref, mbs) if self.ref is not None else None
+            ntok = torch.tensor([float(sum(mb.loss_mask.sum() for mb in mbs))], device=self.actor.device)
+            nseq = torch.tensor([float(len(rows))], device=self.actor.device)
+            dist.all_reduce(ntok, group=ps.get_data_parallel_group())
+            dist.all_reduce(nseq, group=ps.get_data_parallel_group())
+            if old is not None:
+                mism = [((o - mb.extra["rollout_logp"]).abs() * mb.loss_mask).sum() for o, mb in zip(old, mbs)]
+                m["train_infer_logp_gap"] = float(sum(mism)) / max(float(ntok) / self.dp, 1.0)
+            self.engine.sleep()
+            t1 = time.perf_counter()
+            upd = policy_update(self.actor, self.optimizer, mbs, old,
+                                PPOLossConfig(clip_eps_low=r.clip_eps_low, clip_eps_high=r.clip_eps_high,
+                                              kl_coef=r.kl_coef, aggregation=r.loss_aggregation),
+                                ref_logps=ref, global_tokens=max(float(ntok), 1.0), global_seqs=max(float(nseq), 1.0))
+            m["t_update"] = time.perf_counter() - t1
+            m["t_logprobs"] = t_lp
+            m.update(upd)
+            self.engine.wake()
+        t2 = time.perf_counter()
+        stats = sync_actor_to_engine(self.actor, self.engine, version=self.step + 1)
+        m["t_weight_sync"] = time.perf_counter() - t2
+        m["weight_sync_gb_per_s"] = stats["gb_per_s"]
+        self.step += 1
+        self.data_pos += self.prompts_per_step
+        if self.rank == 0:
+            with open(os.path.join(self.out_dir, "ledger.jsonl"), "a") as f:
+                f.write(json.dumps({"step": self.step, "prompt_ids": sorted(set(batch.prompt_ids))}) + "\n")
+        m["t_step"] = time.perf_counter() - t_step
+        return m
+
+    def train(self) -> None:
+        cfg = self.cfg
+        total = cfg.train.steps
+        bar = tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=self.rank != 0)
+        while self.step < total:
+            m = self.run_step()
+            self.metrics.log(self.step, m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=m.get("len_p50"), loss=f"{m.get('pg_loss', 0):.3f}")
+            if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == total:
+                self.ckpt.save(self.step, self.actor, self.optimizer,
+                               {"data_position": self.data_pos}, tokenizer_from=self.model_dir)
+        bar.close()
+        self.metrics.close()
+        if self.rank == 0:
+            print(f"[train] done: {self.step} steps; metrics {self.metrics.path}; checkpoints {self.ckpt.root}")
+
+
+def _convert_in_place(hf_dir: str, dst: str) -> None:
+    """hf_to_mcore inside an existing process group: conversion needs a world of one, so
+    it runs in a child process (rank 0 only)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                             "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")}
+    p = subprocess.run([sys.executable, "-m", "megatron_tlt", "convert", "hf-to-mcore", "--hf", hf_dir,
+                        "--out", dst], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise TLTError(f"converting {hf_dir} to Megatron-Core failed: {p.stderr.strip().splitlines()[-1:]}")
+
+
+def main(cfg) -> int:
+    run = RLRun(cfg)
+    run.train()
+    return 0
