@@ -1,0 +1,593 @@
+"""`megatron-tlt bench rollout`: decode speed of the native engine against the HBM roofline
+and against Hugging Face `generate`, all measured in one run; a table and a JSON file.
+
+    megatron-tlt bench rollout --json FILE [--shapes 1.5b,7b] [--batch-sizes 1,8,32,128]
+        [--steps N] [--repeats R] [--prompt-len P] [--hf-batch-sizes 1,8,16,32] [--no-hf]
+
+Models: Qwen2.5-1.5B- and 7B-shaped bf16 decoders with RANDOM weights built directly on
+the device (`--shapes tiny` is a small model for CPU runs). Every prompt has P tokens and
+every request `min_new_tokens == max_new_tokens`, so lengths are fixed and greedy
+decoding never stops early.
+
+What is measured, per model shape and batch size B:
+
+- `decode_ms`: one decode step of the engine's GPU path — CUDA-graph replay of the fused
+  forward (bucket B), then greedy argmax and the input update (next token, position,
+  context length, slot) on the device — back to back, no host sync between steps;
+  CUDA events around `--steps` steps, median over `--repeats`, after warm-up steps.
+- `engine_ms_per_step`: the whole `RolloutEngine.generate` (scheduler, input upload,
+  graph replay, on-device greedy sampling, one host sync and the stop checks per step)
+  from wall-clock time, as (t(n_long) - t(n_short)) / (n_long - n_short) so prefill
+  cancels; median over repeats.
+- roofline: bytes a decode step must read — every weight once (the tied LM head is the
+  embedding, read once; an untied embedding contributes only its B looked-up rows) plus
+  the K/V of the batch's mean context over the timed steps — divided by the measured
+  bandwidth. Bandwidth is measured in this run two ways: a device-to-device copy (read +
+  write bytes counted: 2 x size / time) and a read-only reduction (torch.sum: size /
+  time). The roofline uses the HIGHER of the two (the stricter roofline); both are
+  reported. `of_roofline` = roofline_ms / decode_ms.
+- HF: `transformers` `generate` with `cache_implementation="static"`, greedy, compile
+  disabled, the SAME weights copied into a model built from the config on the device,
+  the same prompts; ms/step by the same differencing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import time
+import traceback
+
+import torch
+
+from megatron_tlt.errors import TLTError
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.engine import RolloutEngine
+from megatron_tlt.rollout.request import Request
+from megatron_tlt.rollout.sampling import SamplingParams
+from megatron_tlt.rollout.weights import EngineWeights
+
+_QWEN25 = dict(family="qwen2", qkv_bias=True, rope_theta=1e6, rms_norm_eps=1e-6,
+               max_position_embeddings=32768, head_dim=128)
+SHAPES = {
+    "1.5b": dict(_QWEN25, vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                 num_layers=28, num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
+    "7b": dict(_QWEN25, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+               num_layers=28, num_heads=28, num_kv_heads=4, tie_word_embeddings=False),
+    "tiny": dict(family="qwen2", qkv_bias=True, vocab_size=512, hidden_size=64,
+                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 tie_word_embeddings=True, max_position_embeddings=4096),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return out
+
+
+def parse_args(extra: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-tlt bench rollout", add_help=True)
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated model shapes from {sorted(SHAPES)} "
+                        f"(default: 1.5b,7b on CUDA, tiny on CPU)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32, 128])
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per repeat")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--hf-batch-sizes", type=_int_list, default=[1, 8, 16, 32])
+    p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--backend", default=None, choices=["triton", "torch"],
+                   help="attention backend (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(extra)
+    for name in ("steps", "repeats", "prompt_len"):
+        if getattr(args, name) < 1:
+            raise TLTError(f"bench rollout: --{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        raise TLTError("bench rollout: --warmup must be >= 0")
+    return args
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _Clock:
+    """CUDA events on a GPU, perf_counter on CPU; `elapsed_ms` synchronises."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed_ms(self, start) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (time.perf_counter() - start) * 1e3
+
+
+def random_weights(arch: ModelArch, *, dtype: torch.dtype, device: torch.device,
+                   seed: int) -> EngineWeights:
+    """Random engine weights generated on `device` (norms ~ 1, the rest std 0.02)."""
+    w = EngineWeights(arch, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, view in w.hf_views().items():
+            if name == "lm_head.weight" and arch.tie_word_embeddings:
+                continue
+            if name.endswith("norm.weight"):
+                view.normal_(1.0, 0.1, generator=g)
+            else:
+                view.normal_(0.0, 0.02, generator=g)
+    return w
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict:
+    """Device memory bandwidth in GB/s: copy (read + write bytes) and read-only sum."""
+    clock = _Clock(device)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+
+    def timed(fn) -> float:
+        fn()
+        fn()
+        clock.sync()
+        ts = []
+        for _ in range(repeats):
+            t0 = clock.start()
+            fn()
+            ts.append(clock.elapsed_ms(t0))
+        return statistics.median(ts)
+
+    t_copy = timed(lambda: y.copy_(x))
+    t_read = timed(lambda: torch.sum(x, dtype=torch.float32))
+    size = x.numel() * x.element_size()
+    out = {"buffer_bytes": size, "copy_ms": t_copy, "read_ms": t_read,
+           "copy_rw_GBps": 2 * size / t_copy / 1e6, "read_GBps": size / t_read / 1e6}
+    out["roofline_GBps"] = max(out["copy_rw_GBps"], out["read_GBps"])
+    return out
+
+
+def step_bytes(arch: ModelArch, weights: EngineWeights, batch: int, mean_context: float) -> dict:
+    """Bytes one decode step of `batch` sequences must read from device memory."""
+    elem = torch.empty((), dtype=weights.dtype).element_size()
+    w = sum(t.numel() for t in weights.tensors()) * elem
+    if not arch.tie_word_embeddings:  # the embedding table: only the looked-up rows
+        w += (batch - arch.vocab_size) * arch.hidden_size * elem
+    kv = batch * mean_context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
+    return {"weight_bytes": int(w), "kv_bytes": int(kv), "bytes": int(w + kv)}
+
+
+def _requests(prompts: list[list[int]], tag: str, n: int) -> list[Request]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, min_new_tokens=n)
+    return [Request(prompt_id=f"{tag}-{i}", prompt_token_ids=p, sampling_params=params)
+            for i, p in enumerate(prompts)]
+
+
+def _engine_generate(engine: RolloutEngine, prompts: list[list[int]], n: int):
+    return engine.generate(_requests(prompts, f"e2e{len(prompts)}-{n}", n))
+
+
+def _git_revision() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - absent or broken optional package
+        return None
+
+
+# ---------------------------------------------------------------------- measurements
+
+
+def time_device_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps: int,
+                       repeats: int, warmup: int) -> float:
+    """decode_ms (see module docstring) for len(prompts) sequences."""
+    runner = engine.decode_runner
+    clock = _Clock(engine.device)
+    b = len(prompts)
+    total = warmup + steps * repeats
+    seqs = [engine.add_sequence(r) for r in _requests(prompts, f"dev{b}", total + 1)]
+    try:
+        out = engine.forward_pending(seqs)  # prefill
+        engine.sample_and_append(seqs, out.logits)
+        for s in seqs:
+            if not engine.cache.ensure(s.seq_id, len(s.token_ids) + total):
+                raise TLTError("bench: the KV cache is too small for the decode loop")
+        bucket = runner.prepare(seqs)
+        x = runner.static_inputs(bucket)
+        page = engine.cache.block_size
+
+        def advance(logits: torch.Tensor) -> None:  # next inputs, on the device
+            x["input_ids"][:b].copy_(torch.argmax(logits[:b], dim=-1))
+            x["positions"][:b].add_(1)
+            x["context_lens"][:b].add_(1)
+            pos = x["positions"][:b].long()
+            blk = x["block_tables"][:b].gather(1, (pos // page)[:, None])[:, 0].long()
+            x["slot_mapping"][:b].copy_(blk * page + pos % page)
+
+        if not runner.use_graphs:
+            def step() -> None:
+                advance(runner.run(bucket))
+        else:
+            # The input update as a second small graph: two graph launches per step.
+            runner.run(bucket)  # captures the decode graphs if needed
+            logits = runner.run(bucket)
+            saved = {k: v.clone() for k, v in x.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                advance(logits)
+            torch.cuda.current_stream().wait_stream(side)
+            for k, v in saved.items():
+                x[k].copy_(v)
+            adv = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(adv):
+                advance(logits)
+
+            def step() -> None:
+                runner.run(bucket)
+                adv.replay()
+        for _ in range(warmup):
+            step()
+        clock.sync()
+        times = []
+        for _ in range(repeats):
+            t0 = clock.start()
+            for _ in range(steps):
+                step()
+            times.append(clock.elapsed_ms(t0) / steps)
+        return statistics.median(times)
+    finally:
+        for s in seqs:
+            engine.free_sequence(s)
+
+
+def time_engine_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps: int,
+                       repeats: int, warmup: int) -> float:
+    """ms per decode step through the engine's step parts (forward_pending +
+    sample_and_append), for backends without the device decode loop."""
+    clock = _Clock(engine.device)
+    total = warmup + steps * repeats
+    seqs = [engine.add_sequence(r) for r in _requests(prompts, f"eng{len(prompts)}", total + 1)]
+    try:
+        engine.sample_and_append(seqs, engine.forward_pending(seqs).logits)  # prefill
+        for _ in range(warmup):
+            engine.sample_and_append(seqs, engine.forward_pending(seqs).logits)
+        times = []
+        for _ in range(repeats):
+            t0 = clock.start()
+            for _ in range(steps):
+                engine.sample_and_append(seqs, engine.forward_pending(seqs).logits)
+            times.append(clock.elapsed_ms(t0) / steps)
+        return statistics.median(times)
+    finally:
+        for s in seqs:
+            engine.free_sequence(s)
+
+
+def time_generate(fn, n_short: int, n_long: int, repeats: int, clock: _Clock):
+    """Median ms per generated token step of `fn(n)` by differencing two lengths."""
+    per_step, last = [], None
+    for _ in range(repeats):
+        clock.sync()
+        t0 = time.perf_counter()
+        fn(n_short)
+        clock.sync()
+        t1 = time.perf_counter()
+        last = fn(n_long)
+        clock.sync()
+        t2 = time.perf_counter()
+        per_step.append(((t2 - t1) - (t1 - t0)) * 1e3 / (n_long - n_short))
+    return statistics.median(per_step), last
+
+
+def build_hf_model(arch: ModelArch, weights: EngineWeights):
+    """A transformers model built from the config on the weights' device with the SAME
+    weights copied in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(arch.to_hf_config())
+    cfg.pop("architectures", None)
+    cfg.pop("torch_dtype", None)
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=0, **cfg)
+    with torch.device(weights.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=weights.dtype)
+    model.eval()
+    state = model.state_dict()
+    views = weights.hf_views()
+    missing = [n for n in state if n not in views and not n.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise TLTError(f"bench: HF model has tensors the engine does not: {missing[:3]}")
+    with torch.no_grad():
+        for name, t in state.items():
+            if name in views:
+                t.copy_(views[name])
+    return model
+
+
+def hf_generate_fn(model, prompts: list[list[int]]):
+    ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> torch.Tensor:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, num_beams=1,
+                                 cache_implementation="static", disable_compile=True,
+                                 pad_token_id=0, eos_token_id=None)
+        return out[:, ids.shape[1]:]
+    return run
+
+
+# ---------------------------------------------------------------------- main
+
+
+@dataclasses.dataclass
+class _Plan:
+    device: torch.device
+    backend: str
+    graphs: bool
+    dtype: torch.dtype
+
+
+def _plan(args) -> _Plan:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TLTError("bench rollout: --device cuda but CUDA is not available")
+    backend = args.backend or ("triton" if device.type == "cuda" else "torch")
+    graphs = device.type == "cuda" and backend == "triton" and not args.no_graphs
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _Plan(device, backend, graphs, dtype)
+
+
+def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]]:
+    arch = ModelArch(**SHAPES[name])
+    batch_sizes = sorted(set(args.batch_sizes))
+    want_hf = not args.no_hf and name in args.hf_shapes.split(",")
+    hf_sizes = sorted(set(args.hf_batch_sizes)) if want_hf else []
+    max_batch = max(batch_sizes + hf_sizes)
+    p_len = args.prompt_len
+    n_short = min(8, args.steps)
+    n_long = n_short + args.steps
+    dev_total = args.warmup + args.steps * args.repeats
+    max_len = p_len + max(dev_total + 2, n_long) + 16
+    if max_len > arch.max_position_embeddings:
+        raise TLTError(f"bench: prompt {p_len} + decode steps exceed {name}'s "
+                       f"{arch.max_position_embeddings} positions")
+    page = 16
+    num_blocks = max_batch * -(-max_len // page) + 8
+    clock = _Clock(plan.device)
+    t0 = time.perf_counter()
+    weights = random_weights(arch, dtype=plan.dtype, device=plan.device, seed=args.seed)
+    engine = RolloutEngine(arch, weights, max_num_seqs=max_batch, num_blocks=num_blocks,
+                           block_size=page, dtype=plan.dtype, device=plan.device,
+                           max_model_len=max_len, max_num_batched_tokens=max_batch * p_len,
+                           attention_backend=plan.backend, cuda_graphs=plan.graphs,
+                           cuda_graph_batch_sizes=sorted(set(batch_sizes + hf_sizes)),
+                           seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    prompts = torch.randint(0, arch.vocab_size, (max_batch, p_len), generator=g).tolist()
+    capture_s = None
+    if engine.decode_runner is not None and plan.graphs:
+        t1 = time.perf_counter()
+        engine.decode_runner.capture()
+        capture_s = time.perf_counter() - t1
+    log(f"[{name}] weights + engine {time.perf_counter() - t0:.1f}s, graph capture "
+        f"{capture_s if capture_s is None else round(capture_s, 1)}s, "
+        f"{sum(t.numel() for t in weights.tensors()) / 1e9:.2f}B parameters")
+
+    rows = []
+    engine_tokens = {}
+    mean_ctx = p_len + 1 + args.warmup + (args.steps * args.repeats - 1) / 2
+    for b in sorted(set(batch_sizes + hf_sizes)):
+        row: dict = {"shape": name, "batch": b, "in_batch_sizes": b in batch_sizes,
+                     "mean_context": mean_ctx, "errors": []}
+        row.update(step_bytes(arch, weights, b, mean_ctx))
+        timer = time_device_decode if engine.decode_runner is not None else time_engine_decode
+        try:
+            row["decode_ms"] = timer(engine, prompts[:b], steps=args.steps, repeats=args.repeats,
+                                     warmup=args.warmup)
+        except Exception as e:  # noqa: BLE001 - keep measuring the rest; reported in the JSON
+            row["decode_ms"] = None
+            row["errors"].append(f"decode: {type(e).__name__}: {e}")
+            log(f"[{name}] B={b}: decode loop failed: {traceback.format_exc()}")
+        try:
+            e2e_ms, results = time_generate(
+                functools.partial(_engine_generate, engine, prompts[:b]), n_short, n_long,
+                max(1, min(3, args.repeats)), clock)
+            bad = [r.error for r in results if r.error]
+            if bad:
+                raise TLTError(f"bench: engine rejected a request: {bad[0]}")
+            engine_tokens[b] = [r.token_ids for r in results]
+        except Exception as e:  # noqa: BLE001
+            e2e_ms = None
+            row["errors"].append(f"generate: {type(e).__name__}: {e}")
+            log(f"[{name}] B={b}: engine.generate failed: {traceback.format_exc()}")
+        row["engine_ms_per_step"] = e2e_ms
+        d = row["decode_ms"]
+        row["decode_tokens_per_s"] = b * 1e3 / d if d and d > 0 else None
+        row["engine_tokens_per_s"] = b * 1e3 / e2e_ms if e2e_ms and e2e_ms > 0 else None
+        rows.append(row)
+        log(f"[{name}] B={b}: decode {_fmt(d)} ms/step, engine {_fmt(e2e_ms)} ms/step")
+
+    hf_rows = []
+    if want_hf:
+        try:
+            model = build_hf_model(arch, weights)
+            for b in hf_sizes:
+                ms, toks = time_generate(hf_generate_fn(model, prompts[:b]), n_short, n_long,
+                                         max(1, min(3, args.repeats)), clock)
+                ours = engine_tokens.get(b)
+                agree = None
+                if ours is not None:
+                    hf_t = toks.tolist()
+                    agree = statistics.mean(_prefix_agreement(o, h) for o, h in zip(ours, hf_t))
+                hf_rows.append({"shape": name, "batch": b, "hf_ms_per_step": ms,
+                                "mean_tokens_agreeing_with_engine": agree})
+                log(f"[{name}] HF B={b}: {ms:.3f} ms/step")
+            del model
+        except Exception as e:  # noqa: BLE001 - a baseline failure must not lose our numbers
+            hf_rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"})
+            log(f"[{name}] HF baseline failed: {type(e).__name__}: {e}")
+    del engine, weights
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, hf_rows
+
+
+def _prefix_agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _command(args: argparse.Namespace) -> str:
+    words = ["megatron-tlt", "bench", "rollout"]
+    if getattr(args, "json", None):
+        words += ["--json", args.json]
+    return shlex.join(words + list(getattr(args, "extra", None) or []))
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(args: argparse.Namespace) -> int:
+    if getattr(args, "what", "rollout") != "rollout":
+        raise TLTError(f"bench {args.what}: not implemented yet (available: bench rollout)")
+    opts = parse_args(list(getattr(args, "extra", []) or []))
+    plan = _plan(opts)
+    shapes = (opts.shapes or ("1.5b,7b" if plan.device.type == "cuda" else "tiny")).split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            raise TLTError(f"bench rollout: unknown shape {s!r} (known: {', '.join(sorted(SHAPES))})")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    start = time.perf_counter()
+    bw_bytes = (2 << 30) if plan.device.type == "cuda" else (64 << 20)
+    bw = measure_bandwidth(plan.device, bw_bytes)
+    log(f"bandwidth: copy {bw['copy_rw_GBps']:.0f} GB/s (read+write), read-only "
+        f"{bw['read_GBps']:.0f} GB/s -> roofline {bw['roofline_GBps']:.0f} GB/s")
+    rows, hf_rows, errors = [], [], []
+    for s in shapes:
+        try:
+            r, h = run_shape(s, opts, plan, log)
+        except Exception as e:  # noqa: BLE001 - the other shapes still run; reported below
+            errors.append(f"{s}: {type(e).__name__}: {e}")
+            log(f"[{s}] failed: {traceback.format_exc()}")
+            if plan.device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        rows += r
+        hf_rows += h
+    errors += [f"{r['shape']} B={r['batch']}: {e}" for r in rows for e in r["errors"]]
+    errors += [f"{h['shape']} HF: {h['error']}" for h in hf_rows if "error" in h]
+    hf_ms = {(h["shape"], h["batch"]): h["hf_ms_per_step"] for h in hf_rows if "hf_ms_per_step" in h}
+
+    def ratio(a, b):
+        return a / b if a is not None and b is not None and a > 0 and b > 0 else None
+
+    for row in rows:
+        row["roofline_ms"] = row["bytes"] / (bw["roofline_GBps"] * 1e6)
+        row["of_roofline"] = ratio(row["roofline_ms"], row["decode_ms"])
+        hf = hf_ms.get((row["shape"], row["batch"]))
+        row["hf_ms_per_step"] = hf
+        row["hf_over_decode"] = ratio(hf, row["decode_ms"])
+        row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
+
+    header = (f"{'shape':>5} {'B':>4} {'decode_ms':>9} {'tok/s':>9} {'roof_ms':>8} {'of_roof':>7} "
+              f"{'engine_ms':>9} {'hf_ms':>7} {'hf/decode':>9} {'hf/engine':>9}")
+    print(header)
+    for r in rows:
+        print(f"{r['shape']:>5} {r['batch']:>4} {_fmt(r['decode_ms']):>9} "
+              f"{_fmt(r['decode_tokens_per_s'], '.0f'):>9} {r['roofline_ms']:>8.3f} "
+              f"{_fmt(r['of_roofline'], '.2f'):>7} {_fmt(r['engine_ms_per_step']):>9} "
+              f"{_fmt(r['hf_ms_per_step']):>7} {_fmt(r['hf_over_decode'], '.2f'):>9} "
+              f"{_fmt(r['hf_over_engine'], '.2f'):>9}")
+    report = {
+        "command": _command(args),
+        "git_revision": _git_revision(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "device": (torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda"
+                   else f"cpu ({platform.processor() or platform.machine()})"),
+        "dtype": str(plan.dtype).replace("torch.", ""),
+        "attention_backend": plan.backend,
+        "cuda_graphs": plan.graphs,
+        "settings": {"shapes": shapes, "batch_sizes": opts.batch_sizes, "steps": opts.steps,
+                     "repeats": opts.repeats, "warmup": opts.warmup,
+                     "prompt_len": opts.prompt_len, "hf_batch_sizes": opts.hf_batch_sizes,
+                     "hf": not opts.no_hf, "seed": opts.seed},
+        "bandwidth": bw,
+        "definitions": {
+            "decode_ms": "graph replay + on-device greedy argmax + input update, CUDA events, "
+                         "median of repeats (backend torch: forward_pending + sample_and_append)",
+            "engine_ms_per_step": "RolloutEngine.generate wall time per token step "
+                                  "(differenced lengths, prefill cancels)",
+            "roofline_ms": "(all weights once + KV of the mean context) / max(copy read+write "
+                           "bandwidth, read-only sum bandwidth)",
+            "of_roofline": "roofline_ms / decode_ms",
+            "hf_ms_per_step": "transformers generate, static cache, greedy, no compile "
+                              "(differenced lengths)",
+        },
+        "results": rows,
+        "hf": hf_rows,
+        "errors": errors,
+        "wall_s": time.perf_counter() - start,
+    }
+    if getattr(args, "json", None):
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        log(f"wrote {args.json}")
+    for e in errors:
+        log(f"ERROR {e}")
+    log(f"bench rollout finished in {report['wall_s']:.1f}s"
+        + (f" with {len(errors)} error(s)" if errors else ""))
+    return 1 if errors else 0

@@ -1,0 +1,250 @@
+"""GPU decode fast path of the rollout engine: static inputs, bucketed CUDA graphs, greedy
+sampling on the device.
+
+`DecodeRunner` serves `RolloutEngine.forward_pending` when every scheduled sequence has
+exactly one pending token (a decode step) and `sample_and_append` when every request is
+greedy; anything else (prefill, re-prefill, verify, hidden states, sampling with
+temperature) takes the engine's generic path.
+
+Decode step (`decode(seqs)`):
+1. inputs — token ids, positions, slot mapping, context lengths and block tables — are
+   written into one pinned host buffer `[max_batch, 4 + max_blocks]` int32 (a sequence's
+   block-table row is rewritten only when its table changed) and copied with ONE
+   host-to-device copy into the static device buffer the graphs read;
+2. the batch is padded to the next bucket (1, 2, 4, ..., 128 by default; the largest is
+   at least max_num_seqs): padding rows have slot -1 (no K/V write), context length 1;
+3. the bucket's graph is replayed (or, with use_graphs=False, the same forward runs
+   eagerly at the same padded shape, so graph and eager decode compute identical
+   numbers); logits land in a static [max_batch, vocab] float32 buffer. The returned
+   logits are a view into it, valid until the next decode step.
+
+Graphs: captured lazily at the first decode step (or by `capture()`), largest bucket
+first, all into ONE memory pool (`torch.cuda.graph_pool_handle()`): the buckets never
+run concurrently, so their intermediates share memory and the pool costs about as much
+as the largest bucket alone. Split-K factors are fixed per bucket at capture.
+
+What a graph holds by address, and why it stays valid:
+- weights: `EngineWeights.update_weights` copies in place (data_ptr()s never change), so
+  policy updates need no recapture;
+- the KV pool: `engine.sleep()` frees it and `wake()` allocates a new one at whatever
+  address the allocator returns. We chose to RECAPTURE rather than to pin the address
+  (which would need a virtual-memory allocator): `sleep()` drops the graphs and their
+  pool (freeing that memory too), and the next decode step recaptures (about a second;
+  once per wake). As a guard, every step compares the pool's data_ptr() with the one
+  captured and recaptures on a mismatch;
+- the static input and logits buffers: owned here, never reallocated while graphs live.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from megatron_tlt.errors import ConfigError
+from megatron_tlt.rollout.gpu_model import DecodeModel
+from megatron_tlt.rollout.kv_cache import PagedKVCache
+from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
+from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+_ID, _POS, _SLOT, _CTX = 0, 1, 2, 3  # columns of the input buffer; block table from column 4
+_NCOL = 4
+
+
+def bucket_sizes(batch_sizes: Seq[int] | None, max_num_seqs: int) -> list[int]:
+    """Sorted bucket sizes <= max_num_seqs; max_num_seqs is added when no bucket covers it."""
+    sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else tuple(batch_sizes)
+    for b in sizes:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ConfigError(f"cuda graph batch sizes must be integers >= 1, got {b!r}")
+    out = sorted({b for b in sizes if b <= max_num_seqs})
+    if not out or out[-1] < max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+class DecodeRunner:
+    def __init__(self, model: InferenceModel, cache: PagedKVCache, *, max_num_seqs: int,
+                 max_model_len: int, use_graphs: bool = True,
+                 batch_sizes: Seq[int] | None = None):
+        if use_graphs and cache.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs=True needs a CUDA device, the engine runs on {cache.device}")
+        arch = model.arch
+        self.cache = cache
+        self.device = cache.device
+        self.use_graphs = use_graphs
+        self.model = DecodeModel(arch, model.weights, model.cos, model.sin)
+        self.vocab_size = arch.vocab_size
+        self.buckets = bucket_sizes(batch_sizes, max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        self.width = -(-max_model_len // cache.block_size)
+        sms = num_sms(self.device)
+        self.num_splits = {b: choose_num_splits(b, arch.num_kv_heads, max_model_len, sms=sms,
+                                                block_n=block_n_for(cache.dtype))
+                           for b in self.buckets}
+        """Split-K factor of the attention kernel per bucket."""
+        shape = (self.max_batch, _NCOL + self.width)
+        self._meta = torch.zeros(shape, dtype=torch.int32, device=self.device)  # graph inputs
+        self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._pad = torch.tensor([0, 0, -1, 1], dtype=torch.int32)
+        self._host[:, :_NCOL] = self._pad
+        self._meta.copy_(self._host)
+        self._rows: list[list[int] | None] = [None] * self.max_batch  # block table per row
+        self._copy_done = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._logits: torch.Tensor | None = None
+        self._kv_ptr: int | None = None
+        self.num_captures = 0
+        """How many times the graphs were captured (1 + one per wake after a sleep)."""
+        self.num_steps = 0
+        """Decode steps served by this runner."""
+
+    # ---- buckets and static inputs ------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"decode batch {batch} exceeds the largest bucket {self.max_batch}")
+
+    def static_inputs(self, bucket: int) -> dict[str, torch.Tensor]:
+        """Views of the device input buffer for the first `bucket` rows (int32)."""
+        m = self._meta[:bucket]
+        return {"input_ids": m[:, _ID], "positions": m[:, _POS], "slot_mapping": m[:, _SLOT],
+                "context_lens": m[:, _CTX], "block_tables": m[:, _NCOL:]}
+
+    def prepare(self, seqs) -> int:
+        """Write the decode inputs of `seqs` (each with one pending token, its blocks
+        allocated) into the static buffer; returns the bucket."""
+        n = len(seqs)
+        bucket = self.bucket_for(n)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the host buffer is still being read otherwise
+        host, bs = self._host, self.cache.block_size
+        cols = []
+        for i, seq in enumerate(seqs):
+            p = len(seq.token_ids) - 1
+            table = self.cache.block_table(seq.seq_id)
+            if len(table) > self.width:
+                raise RuntimeError(f"sequence {seq.seq_id} holds {len(table)} blocks, more than "
+                                   f"max_model_len allows ({self.width})")
+            if self._rows[i] != table:
+                host[i, _NCOL:_NCOL + len(table)] = torch.tensor(table, dtype=torch.int32)
+                self._rows[i] = table
+            cols.append((seq.token_ids[-1], p, table[p // bs] * bs + p % bs, p + 1))
+        host[:n, :_NCOL] = torch.tensor(cols, dtype=torch.int32)
+        if bucket > n:
+            host[n:bucket, :_NCOL] = self._pad
+        self._meta[:bucket].copy_(host[:bucket], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        return bucket
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def _forward(self, bucket: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.static_inputs(bucket)
+        return self.model.forward(x["input_ids"], x["positions"], x["slot_mapping"],
+                                  x["block_tables"], x["context_lens"], self.cache,
+                                  num_splits=self.num_splits[bucket], logits_out=logits_out)
+
+    def run(self, bucket: int) -> torch.Tensor:
+        """Logits [bucket, vocab] float32 of the prepared inputs (graph replay or eager)."""
+        if not self.use_graphs:
+            return self._forward(bucket)
+        if not self._graphs or self._kv_ptr != self.cache.k[0].data_ptr():
+            self.capture()
+        self._graphs[bucket].replay()
+        return self._logits[:bucket]
+
+    def decode(self, seqs) -> ForwardOutput | None:
+        """The engine's decode step for `seqs`, or None when this is not a plain decode step
+        (some sequence has != 1 pending token or wants hidden states)."""
+        n = len(seqs)
+        if n == 0 or n > self.max_batch:
+            return None
+        for seq in seqs:
+            if seq.num_pending != 1 or seq.request.return_hidden_states is not None:
+                return None
+        for seq in seqs:
+            if not self.cache.ensure(seq.seq_id, len(seq.token_ids)):
+                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
+                                   f"{len(seq.token_ids)} tokens")
+        bucket = self.prepare(seqs)
+        logits = self.run(bucket)[:n]
+        for seq in seqs:
+            seq.num_computed = len(seq.token_ids)
+            seq.pending_verify = 0
+        self.num_steps += 1
+        return ForwardOutput(logits=logits)
+
+    # ---- graphs -----------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """(Re)capture one graph per bucket, largest first, into one shared memory pool."""
+        if not self.use_graphs:
+            return
+        if self.cache.is_sleeping:
+            raise RuntimeError("DecodeRunner.capture() while the KV cache is asleep; wake() first")
+        self.release()
+        saved = self._meta.clone()
+        self._meta[:, :_NCOL] = self._pad.to(self.device)  # warm-up and capture write no K/V
+        self._logits = torch.empty(self.max_batch, self.vocab_size, dtype=torch.float32,
+                                   device=self.device)
+        self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        for bucket in reversed(self.buckets):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compiles the Triton kernels, initialises cuBLAS
+                self._forward(bucket, self._logits[:bucket])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(bucket, self._logits[:bucket])
+            self._graphs[bucket] = graph
+        self._meta.copy_(saved)
+        self._kv_ptr = self.cache.k[0].data_ptr()
+        self.num_captures += 1
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        """Drop the graphs, their memory pool and the logits buffer (engine.sleep())."""
+        self._graphs.clear()
+        self._pool = None
+        self._logits = None
+        self._kv_ptr = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    # ---- sampling ---------------------------------------------------------------------
+
+    def sample_greedy(self, seqs, logits: torch.Tensor,  # [B, vocab] float32
+                      ) -> tuple[torch.Tensor, list[int], list[float]] | None:
+        """Greedy tokens on the device with one host sync, exactly as `sampling.sample`
+        computes greedy rows (argmax of the banned logits, lowest id on ties; logprob from
+        log_softmax of the unbanned logits). None unless every request is greedy."""
+        for seq in seqs:
+            if seq.request.sampling_params.temperature > 0:
+                return None
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            ban = seq.stop.banned_ids(len(seq.output_ids))
+            if ban:
+                rows.extend([i] * len(ban))
+                cols.extend(sorted(ban))
+        proc = logits
+        if rows:
+            proc = logits.clone()
+            proc[torch.tensor(rows, device=logits.device),
+                 torch.tensor(cols, device=logits.device)] = float("-inf")
+        tokens = torch.argmax(proc, dim=-1)
+        lps = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        host = torch.stack([tokens.to(torch.float64), lps.to(torch.float64)]).tolist()
+        return tokens, [int(t) for t in host[0]], host[1]

@@ -1,0 +1,254 @@
+"""Graph-safe decode forward: one new token per sequence, fused small kernels, no host syncs.
+
+The same math as `model.InferenceModel.forward` (the spec) restricted to decode, written
+so that a CUDA graph can capture it: static shapes (the batch is a padded bucket), no
+`.item()`/`.tolist()`, no data-dependent Python control flow, every input read from
+tensors. Per decoder layer it launches
+
+    add+RMSNorm -> QKV GEMM -> +bias, q/k(-norm), RoPE, K/V written by slot mapping
+    -> paged attention (+ split-K combine) -> O GEMM -> add+RMSNorm -> gate_up GEMM
+    -> SiLU*mul -> down GEMM
+
+i.e. one cuBLAS GEMM per fused projection (weights are read once per step) and four
+small Triton kernels; the tied LM head is the embedding matrix, read once.
+
+Numerics follow the reference (and HF) rounding points so the fused kernels round where
+the unfused bf16 ops round: the residual sum is rounded to the model dtype, RMSNorm
+runs in float32 and rounds `normed` before the weight multiply, RoPE rounds cos/sin and
+each product and sum as bf16 torch ops would, SiLU rounds before the multiply.
+
+Padding rows (bucket size > live sequences) carry slot -1 (their K/V is not written),
+context length 1 and any valid block table; their logits are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.kv_cache import PagedKVCache
+from megatron_tlt.rollout.triton_attention import paged_attention
+from megatron_tlt.rollout.weights import EngineWeights
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = (x + r).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + cols, s, mask=ok)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor,  # [T, N]
+             weight: torch.Tensor,  # [N]
+             eps: float,
+             residual: torch.Tensor | None = None,  # [T, N], updated in place: residual += x
+             ) -> torch.Tensor:  # [T, N]: RMSNorm(residual + x) (or of x without residual)
+    t, n = x.shape
+    out = torch.empty_like(x)
+    block = max(16, _next_pow2(n))
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
+                           float(eps), N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+                           num_warps=4 if block <= 2048 else 8)
+    return out
+
+
+@triton.jit
+def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                     q_out_ptr, k_cache_ptr, v_cache_ptr,
+                     stride_qkv, stride_pos, stride_slot, stride_cos,
+                     stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+                     eps,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+    # One program per token, all its query and key heads as rows h = 0..H+KVH-1 (query
+    # heads first, as in the fused QKV output). Every `.to(<model dtype>).to(tl.float32)`
+    # is one rounding to the model dtype, where the reference's bf16 torch ops round.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]  # [HEADS_PAD, 1]
+    i = tl.arange(0, HALF_PAD)[None, :]  # [1, HALF_PAD]
+    is_q = h < NUM_HEADS
+    ok = (h < NUM_HEADS + NUM_KV_HEADS) & (i < HALF)
+    row = qkv_ptr + t * stride_qkv + h * HEAD_DIM  # key head j sits at column (NUM_HEADS + j) * D
+    x1 = tl.load(row + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the QKV bias, added here rather than by a separate cuBLAS bias copy
+        x1 = (x1 + tl.load(bias_ptr + h * HEAD_DIM + i, mask=ok, other=0.0).to(tl.float32)
+              ).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 + tl.load(bias_ptr + h * HEAD_DIM + HALF + i, mask=ok, other=0.0).to(tl.float32)
+              ).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    if QK_NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(qn_ptr + i, mask=i < HALF, other=0.0),
+                      tl.load(kn_ptr + i, mask=i < HALF, other=0.0)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + HALF + i, mask=i < HALF, other=0.0),
+                      tl.load(kn_ptr + HALF + i, mask=i < HALF, other=0.0)).to(tl.float32)
+        x1 = (x1 * r).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * r).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        x1 = (w1 * x1).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (w2 * x2).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0)
+    s = tl.load(sin_ptr + pos * stride_cos + i, mask=i < HALF, other=0.0)
+    c = c.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    s = s.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]
+    a1 = (x1 * c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    b1 = (x2 * s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    a2 = (x2 * c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    b2 = (x1 * s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    o1 = (a1 - b1).to(q_out_ptr.dtype.element_ty)
+    o2 = (a2 + b2).to(q_out_ptr.dtype.element_ty)
+    q_dst = q_out_ptr + t * stride_qo_t + h * stride_qo_h
+    tl.store(q_dst + i, o1, mask=ok & is_q)
+    tl.store(q_dst + HALF + i, o2, mask=ok & is_q)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    kv_ok = ok & (h >= NUM_HEADS) & (slot >= 0)
+    j = h - NUM_HEADS
+    k_dst = k_cache_ptr + slot * stride_kc_s + j * stride_kc_h
+    tl.store(k_dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(k_dst + HALF + i, o2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    v_src = row + NUM_KV_HEADS * HEAD_DIM  # value head j at column (NUM_HEADS + NUM_KV_HEADS + j) * D
+    v1 = tl.load(v_src + i, mask=kv_ok, other=0.0)
+    v2 = tl.load(v_src + HALF + i, mask=kv_ok, other=0.0)
+    if HAS_BIAS:
+        vb = bias_ptr + (h + NUM_KV_HEADS) * HEAD_DIM
+        v1 = v1.to(tl.float32) + tl.load(vb + i, mask=kv_ok, other=0.0).to(tl.float32)
+        v2 = v2.to(tl.float32) + tl.load(vb + HALF + i, mask=kv_ok, other=0.0).to(tl.float32)
+    v_dst = v_cache_ptr + slot * stride_vc_s + j * stride_vc_h
+    tl.store(v_dst + i, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(v_dst + HALF + i, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+
+def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q heads, k heads, v heads
+                      positions: torch.Tensor,  # [T] int (any stride)
+                      slot_mapping: torch.Tensor,  # [T] int (any stride); -1: do not write
+                      cos: torch.Tensor,  # [max_positions, D] float32
+                      sin: torch.Tensor,  # [max_positions, D] float32
+                      k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+                      v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+                      *, num_heads: int, num_kv_heads: int, head_dim: int,
+                      bias: torch.Tensor | None = None,  # [(H + 2 * KVH) * D] QKV bias
+                      q_norm: torch.Tensor | None = None,  # [D]
+                      k_norm: torch.Tensor | None = None,  # [D]
+                      eps: float = 1e-6,
+                      ) -> torch.Tensor:  # q [T, H, D] with (q-norm and) RoPE applied
+    """Split the fused QKV output (adding `bias` when given: the GEMM then runs without
+    it, which saves cuBLAS's separate bias-copy kernel at batch 1; the sum is rounded twice
+    instead of once), apply Qwen3 q/k RMSNorm (when given) and RoPE, write K and V into
+    the cache at `slot_mapping`; returns q."""
+    t = qkv.shape[0]
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("qkv_rope_write_kv: qkv and the caches must be contiguous in the last dim")
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    kf = k_cache.view(-1, num_kv_heads, head_dim)
+    vf = v_cache.view(-1, num_kv_heads, head_dim)
+    qk_norm = q_norm is not None
+    _qkv_rope_kernel[(t,)](
+        qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin,
+        q_norm if qk_norm else cos, k_norm if qk_norm else cos,
+        q, kf, vf,
+        qkv.stride(0), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+        float(eps),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=max(2, _next_pow2(num_heads + num_kv_heads)), HEAD_DIM=head_dim,
+        HALF=head_dim // 2, HALF_PAD=max(16, _next_pow2(head_dim // 2)),
+        HAS_BIAS=bias is not None, QK_NORM=qk_norm,
+        num_warps=4)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + cols, mask=ok, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up columns
+             ) -> torch.Tensor:  # [T, I] silu(gate) * up
+    t, two_i = gate_up.shape
+    n = two_i // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(t, -(-n // block))](gate_up, out, gate_up.stride(0), out.stride(0),
+                                          N=n, BLOCK=block, num_warps=4)
+    return out
+
+
+class DecodeModel:
+    """Decode forward over `EngineWeights` and a `PagedKVCache` (see module docstring)."""
+
+    def __init__(self, arch: ModelArch, weights: EngineWeights, cos: torch.Tensor,
+                 sin: torch.Tensor):
+        """cos, sin: [max_positions, head_dim] float32 RoPE tables (model.rope_table)."""
+        if arch.head_dim % 2:
+            raise ValueError(f"decode model needs an even head_dim, got {arch.head_dim}")
+        self.arch = arch
+        self.weights = weights
+        self.cos = cos
+        self.sin = sin
+        self.scale = arch.head_dim ** -0.5
+
+    @torch.no_grad()
+    def forward(self,
+                input_ids: torch.Tensor,  # [B] int32/int64 (any stride)
+                positions: torch.Tensor,  # [B] int (any stride)
+                slot_mapping: torch.Tensor,  # [B] int (any stride); -1 for padding rows
+                block_tables: torch.Tensor,  # [B, max_blocks] int, last dim contiguous
+                context_lens: torch.Tensor,  # [B] int (any stride), new token included
+                kv_cache: PagedKVCache,
+                *, num_splits: int = 1,
+                logits_out: torch.Tensor | None = None,  # [B, vocab] float32, written in place
+                ) -> torch.Tensor:  # [B, vocab] float32
+        a, w = self.arch, self.weights
+        eps = a.rms_norm_eps
+        h = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
+        residual = h
+        y = rms_norm(h, w.layers[0].input_norm, eps)
+        for layer, lw in enumerate(w.layers):
+            if layer > 0:
+                y = rms_norm(h, lw.input_norm, eps, residual=residual)
+            qkv = F.linear(y, lw.qkv_weight)  # [B, (H + 2 KVH) * D]; bias added below
+            q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
+                                  kv_cache.k[layer], kv_cache.v[layer],
+                                  num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                                  head_dim=a.head_dim, bias=lw.qkv_bias, q_norm=lw.q_norm,
+                                  k_norm=lw.k_norm, eps=eps)
+            o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
+                                context_lens, scale=self.scale, num_splits=num_splits)
+            h = F.linear(o.view(o.shape[0], -1), lw.o_weight, lw.o_bias)
+            y = rms_norm(h, lw.post_attn_norm, eps, residual=residual)
+            h = F.linear(silu_mul(F.linear(y, lw.gate_up_weight)), lw.down_weight)
+        y = rms_norm(h, w.final_norm, eps, residual=residual)
+        logits = F.linear(y, w.lm_head)  # [B, vocab] in the model dtype, as the reference
+        if logits_out is None:
+            return logits.float()
+        logits_out.copy_(logits)
+        return logits_out

@@ -1,0 +1,400 @@
+"""Triton paged attention over the engine's KV cache; the torch backend in attention.py is the spec.
+
+One kernel serves every query shape the engine produces (`AttentionMetadata`, attention.py):
+
+- MODE_DECODE: one new token per sequence, row b of `q` belongs to sequence b (no
+  `query_start`, so a CUDA graph needs no extra input);
+- MODE_CAUSAL: varlen new tokens after a cached prefix, causal among themselves
+  (decode or re-prefill through the generic forward, extend);
+- MODE_TREE: Q new tokens per sequence with an explicit `tree_mask[b, i, j]` among them
+  (speculative verification) and full attention to the committed prefix.
+
+Work split (grouped-query attention): one program per (sequence, KV head, row tile,
+context split). A program loads its KV head's keys/values once and serves *all* query
+rows of the group — the G = num_heads / num_kv_heads query heads times the sequence's
+new tokens, `rows = query_index * G + head_in_group`, padded to a tile of >= 16 rows so
+`tl.dot` runs on tensor cores. Decode is memory-bound: the KV of a head is read exactly
+once however many query heads share it.
+
+Split-K ("flash decoding"): with few sequences the (sequence, KV head) grid is far
+smaller than the GPU, so the context is cut into `num_splits` contiguous chunks (a
+multiple of BLOCK_N, sized from each sequence's own context length inside the kernel, so
+the grid is static and CUDA-graph safe while lengths vary); each split writes an
+unnormalised partial output with its running max and sum, and `_combine_kernel` merges
+them with the usual log-sum-exp rescaling. `num_splits == 1` writes the output directly.
+
+Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
+probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
+as FlashAttention does), the output is rounded to q's dtype once. float32 inputs use
+IEEE float32 dots (no TF32), so the fp32 kernel agrees with the reference to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_tlt.rollout.attention import AttentionMetadata
+
+
+def _interpreter_compat() -> None:
+    """Under TRITON_INTERPRET=1 (CPU runs of these kernels), scalars are 1-element numpy
+    arrays, which numpy >= 2.x refuses to turn into loop bounds through `__index__`;
+    make the interpreter take their single element. No effect on compiled kernels."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_tlt_compat", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._tlt_compat = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_compat()
+
+MODE_DECODE, MODE_CAUSAL, MODE_TREE = 0, 1, 2
+_LOG2E = 1.4426950408889634
+_MAX_BLOCK_M = 64
+_SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_btb, stride_ctx,
+        stride_tmb, stride_tmi,
+        stride_ot, stride_oh,
+        stride_pot, stride_poh, stride_pos,
+        stride_pmt, stride_pmh,
+        scale_log2, num_splits,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        SPLIT: tl.constexpr, MODE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    tile = pid2 // num_splits
+    split = pid2 % num_splits
+
+    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+    if MODE == 0:
+        q0 = b
+        n_new = 1
+    else:
+        q0 = tl.load(qs_ptr + b).to(tl.int32)
+        n_new = tl.load(qs_ptr + b + 1).to(tl.int32) - q0
+    prefix = ctx - n_new
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    row_ok = qi < n_new
+    head = kvh * G + rows % G
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    tok = (q0 + qi).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # This split's share of the context, sized from this sequence's own length.
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    if MODE == 1:
+        # Causal: no row of this tile sees past prefix + its last query index.
+        last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, n_new - 1)
+        end = tl.minimum(end, prefix + last_q + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        in_page = (n % PAGE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        vis = row_ok[:, None] & n_ok[None, :]
+        if MODE == 1:
+            vis = vis & (n[None, :] <= prefix + qi[:, None])
+        if MODE == 2:
+            j = n - prefix
+            is_new = j >= 0
+            tm = tl.load(tm_ptr + b * stride_tmb + qi[:, None] * stride_tmi + j[None, :],
+                         mask=vis & is_new[None, :], other=0)
+            vis = vis & ((j[None, :] < 0) | (tm != 0))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
+                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        ml = tok * stride_pmt + head * stride_pmh + split
+        tl.store(pm_ptr + ml, m_i, mask=row_ok)
+        tl.store(pl_ptr + ml, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
+                    stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+                    stride_ot, stride_oh, num_splits,
+                    S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ml = t * stride_pmt + h * stride_pmh
+    m_run = tl.full([S_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_splits, S_CHUNK):
+        s = c + tl.arange(0, S_CHUNK)
+        m_run = tl.maximum(m_run, tl.load(pm_ptr + ml + s, mask=s < num_splits,
+                                          other=float("-inf")))
+    m_max = tl.max(m_run, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    l_acc = tl.zeros([S_CHUNK], tl.float32)
+    o_acc = tl.zeros([S_CHUNK, D_PAD], tl.float32)
+    for c in range(0, num_splits, S_CHUNK):
+        s = c + tl.arange(0, S_CHUNK)
+        s_ok = s < num_splits
+        m = tl.load(pm_ptr + ml + s, mask=s_ok, other=float("-inf"))
+        l = tl.load(pl_ptr + ml + s, mask=s_ok, other=0.0)
+        w = tl.exp2(m - m_max)  # 0 for empty splits (m = -inf)
+        live = s_ok & (l > 0)
+        o = tl.load(po_ptr + t * stride_pot + h * stride_poh + s[:, None] * stride_pos + d[None, :],
+                    mask=live[:, None] & d_ok[None, :], other=0.0)
+        l_acc += tl.where(live, w * l, 0.0)
+        o_acc += tl.where(live[:, None], w[:, None] * o, 0.0)
+    l_tot = tl.sum(l_acc, 0)
+    out = tl.sum(o_acc, 0) / tl.where(l_tot > 0, l_tot, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def block_n_for(dtype: torch.dtype) -> int:
+    """Keys per inner iteration: 64 for 16-bit caches, 32 for float32 (shared memory)."""
+    return 64 if torch.empty((), dtype=dtype).element_size() <= 2 else 32
+
+
+def num_sms(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
+                      block_n: int = 64, row_tiles: int = 1, max_splits: int = 64) -> int:
+    """Splits so that about two programs per SM exist, never more than the context has
+    BLOCK_N tiles (a static choice: per-sequence chunk sizes are computed in the kernel)."""
+    programs = max(1, num_seqs * num_kv_heads * row_tiles)
+    want = -(-2 * sms // programs)
+    tiles = max(1, -(-max_context // block_n))
+    return max(1, min(want, tiles, max_splits))
+
+
+def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
+                    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+                    context_lens: torch.Tensor,  # [B] int32/int64 (any stride)
+                    *, scale: float,
+                    query_start: torch.Tensor | None = None,  # [B + 1]; None: decode, T == B
+                    max_query_len: int = 1,
+                    tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
+                    num_splits: int = 1,
+                    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+                    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Attention of the new tokens over the paged cache (their K/V already written).
+
+    No host synchronisation: everything data-dependent is read inside the kernel, so a
+    call with static shapes (decode) can be captured in a CUDA graph. `max_query_len`
+    (host int) bounds the new tokens per sequence; `num_splits` is the split-K factor.
+    """
+    t, num_heads, head_dim = q.shape
+    nb, page, kvh, hd = k_cache.shape
+    bsz = context_lens.shape[0]
+    if hd != head_dim or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"paged_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)} disagree on head_dim")
+    if num_heads % kvh:
+        raise ValueError(f"paged_attention: num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({kvh})")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention: q dtype {q.dtype} and cache dtypes {k_cache.dtype}/"
+                         f"{v_cache.dtype} must match")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_tables", block_tables)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"paged_attention: {name} must be contiguous in its last dimension")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz:
+        raise ValueError(f"paged_attention: block_tables {tuple(block_tables.shape)} must be "
+                         f"[{bsz}, max_blocks]")
+    if tree_mask is not None:
+        mode = MODE_TREE
+        if query_start is None or tuple(tree_mask.shape) != (bsz, max_query_len, max_query_len):
+            raise ValueError(f"paged_attention: tree_mask {tuple(tree_mask.shape)} needs query_start "
+                             f"and shape [{bsz}, {max_query_len}, {max_query_len}]")
+        tm = tree_mask.to(torch.bool).contiguous().view(torch.uint8)
+    elif query_start is None:
+        mode = MODE_DECODE
+        if t != bsz or max_query_len != 1:
+            raise ValueError(f"paged_attention: decode mode needs one query row per sequence "
+                             f"(q has {t} rows for {bsz} sequences)")
+        tm = block_tables  # unused
+    else:
+        mode = MODE_CAUSAL
+        tm = block_tables  # unused
+    if query_start is not None and query_start.shape[0] != bsz + 1:
+        raise ValueError(f"paged_attention: query_start has {query_start.shape[0]} entries, "
+                         f"expected {bsz + 1}")
+    qs = query_start if query_start is not None else context_lens
+    group = num_heads // kvh
+    rows = max(1, max_query_len) * group
+    block_m = min(_MAX_BLOCK_M, max(16, _next_pow2(rows)))
+    row_tiles = -(-rows // block_m)
+    d_pad = max(16, _next_pow2(head_dim))
+    block_n = block_n_for(k_cache.dtype)
+    num_splits = max(1, int(num_splits))
+    if out is None:
+        out = torch.empty_like(q)
+    if num_splits > 1:
+        po = torch.empty(t, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        pm = torch.empty(t, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        po = pm = pl = out  # unused
+    grid = (bsz, kvh, row_tiles * num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), context_lens.stride(0),
+        tm.stride(0) if mode == MODE_TREE else 0, tm.stride(1) if mode == MODE_TREE else 0,
+        out.stride(0), out.stride(1),
+        po.stride(0) if num_splits > 1 else 0, po.stride(1) if num_splits > 1 else 0,
+        po.stride(2) if num_splits > 1 else 0,
+        pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
+        float(scale) * _LOG2E, num_splits,
+        G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        SPLIT=num_splits > 1, MODE=mode, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _combine_kernel[(t, num_heads)](
+            po, pm, pl, out, po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
+            out.stride(0), out.stride(1), num_splits,
+            S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4)
+    return out
+
+
+class TritonPagedAttention:
+    """Attention backend `"triton"` (engine `attention_backend="triton"`).
+
+    - Prefill (every sequence's new tokens are its whole context): PyTorch SDPA,
+      `is_causal=True`, one batched call per group of equal-length prompts, on the new
+      tokens' K/V read back from the cache by slot mapping (where write_kv put them).
+    - Everything else (decode, re-prefill after a partial prefix, tree verification):
+      `paged_attention`. This generic path reads query/context lengths on the host (one
+      sync per call); the CUDA-graph decode path (cuda_graphs.py) calls
+      `paged_attention` directly with static arguments instead.
+
+    `precise` is accepted for interface compatibility with the torch backend and ignored:
+    the kernel is float32-accumulating, not float64.
+    """
+
+    name = "triton"
+
+    def __init__(self, *, precise: bool = False):
+        self.precise = precise
+
+    def forward(self,
+                q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
+                k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+                meta: AttentionMetadata,
+                scale: float | None = None,
+                ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        head_dim = q.shape[-1]
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        bsz = meta.num_seqs
+        kvh, page = k_cache.shape[2], k_cache.shape[1]
+        max_ctx = meta.block_tables.shape[1] * page
+        sms = num_sms(q.device)
+        block_n = block_n_for(k_cache.dtype)
+        if meta.tree_mask is not None:
+            qn = meta.tree_mask.shape[1]
+            splits = choose_num_splits(bsz, kvh, max_ctx, sms=sms, block_n=block_n,
+                                       row_tiles=-(-qn * (q.shape[1] // kvh) // _MAX_BLOCK_M))
+            return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                   scale=scale, query_start=meta.query_start, max_query_len=qn,
+                                   tree_mask=meta.tree_mask, num_splits=splits)
+        starts = meta.query_start.tolist()
+        ctx = meta.context_lens.tolist()
+        n_new = [starts[b + 1] - starts[b] for b in range(bsz)]
+        if all(n == c for n, c in zip(n_new, ctx)) and max(n_new) > 1:
+            return self._prefill(q, k_cache, v_cache, meta, starts, n_new, scale)
+        max_q = max(n_new)
+        splits = choose_num_splits(bsz, kvh, max(ctx), sms=sms, block_n=block_n,
+                                   row_tiles=-(-max_q * (q.shape[1] // kvh) // _MAX_BLOCK_M))
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                               scale=scale, query_start=meta.query_start, max_query_len=max_q,
+                               num_splits=splits)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, meta, starts, n_new, scale):
+        t, num_heads, head_dim = q.shape
+        kvh = k_cache.shape[2]
+        rep = num_heads // kvh
+        k_new = k_cache.view(-1, kvh, head_dim).index_select(0, meta.slot_mapping)  # [T, KVH, D]
+        v_new = v_cache.view(-1, kvh, head_dim).index_select(0, meta.slot_mapping)
+        out = torch.empty_like(q)
+        groups: dict[int, list[int]] = {}
+        for b, n in enumerate(n_new):
+            groups.setdefault(n, []).append(b)
+        for n, seqs in groups.items():
+            first = torch.tensor([starts[b] for b in seqs], dtype=torch.int64)
+            rows = (first[:, None] + torch.arange(n)[None, :]).reshape(-1).to(q.device)
+            g = len(seqs)
+            qg = q.index_select(0, rows).view(g, n, num_heads, head_dim).transpose(1, 2)
+            kg = k_new.index_select(0, rows).view(g, n, kvh, head_dim).transpose(1, 2)
+            vg = v_new.index_select(0, rows).view(g, n, kvh, head_dim).transpose(1, 2)
+            if rep > 1:
+                kg = kg.repeat_interleave(rep, dim=1)
+                vg = vg.repeat_interleave(rep, dim=1)
+            og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True,
+                                                                  scale=scale)
+            out.index_copy_(0, rows, og.transpose(1, 2).reshape(g * n, num_heads, head_dim))
+        return out

@@ -1,0 +1,287 @@
+"""The Triton kernels of the GPU rollout path == their PyTorch references, on CPU through
+Triton's interpreter (TRITON_INTERPRET=1).
+
+float32 only: the interpreter's bfloat16 `tl.dot` and rounding are not faithful, so the
+bf16 grid (and the compiled kernels, CUDA graphs, H=12/2 and 28/4 with head_dim 128,
+contexts > 4096) runs on the GPU in tests/gpu/test_engine_gpu.py. Sizes here are tiny:
+the interpreter runs every program in Python.
+
+Skipped when triton is not installed (CI) and on CUDA machines (the interpreter is set
+up only where no GPU exists; there the GPU tests cover the compiled kernels).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton interpreter tests run on CPU-only machines")
+
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_tlt.errors import ConfigError  # noqa: E402
+from megatron_tlt.models.arch import ModelArch  # noqa: E402
+from megatron_tlt.rollout import EngineWeights, Request, RolloutEngine, SamplingParams  # noqa: E402
+from megatron_tlt.rollout.attention import AttentionMetadata, TorchPagedAttention, write_kv  # noqa: E402
+from megatron_tlt.rollout.cuda_graphs import bucket_sizes  # noqa: E402
+from megatron_tlt.rollout.gpu_model import (DecodeModel, qkv_rope_write_kv, rms_norm,  # noqa: E402
+                                            silu_mul)
+from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
+from megatron_tlt.rollout.model import InferenceModel, apply_rope, rope_table  # noqa: E402
+from megatron_tlt.rollout.model import rms_norm as ref_rms_norm  # noqa: E402
+from megatron_tlt.rollout.triton_attention import TritonPagedAttention, paged_attention  # noqa: E402
+
+TOL = 2e-6  # float32: max |out - ref| / max |ref|
+
+
+def tree_mask(q: int, g: torch.Generator) -> torch.Tensor:
+    """[Q, Q] ancestor-or-self mask of a random tree whose node i has a parent < i."""
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, q)]
+    m = torch.zeros(q, q, dtype=torch.bool)
+    for i in range(q):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parent[j]
+    return m
+
+
+def paged_case(ctx_lens, n_new, *, heads=4, kv_heads=2, head_dim=16, page=4, tree=False,
+               seed=0):
+    """Random cache with scattered blocks, queries and metadata. Returns q, k, v, meta."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-c // page) for c in ctx_lens]
+    total = sum(nblk) + 3
+    perm = torch.randperm(total, generator=g)
+    bt = torch.zeros(len(ctx_lens), max(nblk), dtype=torch.int64)
+    o = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[o:o + n]
+        o += n
+    k = torch.randn(total, page, kv_heads, head_dim, generator=g)
+    v = torch.randn(total, page, kv_heads, head_dim, generator=g)
+    q = 2 * torch.randn(sum(n_new), heads, head_dim, generator=g)
+    qs = torch.tensor([0] + torch.tensor(n_new).cumsum(0).tolist())
+    tm = torch.stack([tree_mask(n_new[0], g) for _ in ctx_lens]) if tree else None
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(n_new), dtype=torch.int64),
+                             query_start=qs, context_lens=torch.tensor(ctx_lens),
+                             block_tables=bt, tree_mask=tm)
+    return q, k, v, meta
+
+
+def rel_err(out, ref) -> float:
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+CASES = [  # (name, ctx_lens, n_new, kwargs)
+    ("decode", [1, 7, 40, 13], [1, 1, 1, 1], {}),
+    ("decode-gqa3-page8", [1, 33, 70], [1, 1, 1], dict(heads=6, page=8)),
+    ("causal", [5, 7, 40, 13], [3, 1, 5, 2], {}),
+    ("causal-long-rows", [30, 9], [20, 9], dict(heads=6)),
+    ("tree", [5, 9, 40, 13], [4, 4, 4, 4], dict(tree=True)),
+    ("tree-gqa3", [6, 70], [6, 6], dict(tree=True, heads=6, page=8)),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name,ctx,n_new,kw", CASES, ids=[c[0] for c in CASES])
+def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits):
+    q, k, v, meta = paged_case(ctx, n_new, **kw)
+    ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+    scale = q.shape[-1] ** -0.5
+    if name.startswith("decode"):
+        out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=scale,
+                              num_splits=splits)
+    else:
+        out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=scale,
+                              query_start=meta.query_start, max_query_len=max(n_new),
+                              tree_mask=meta.tree_mask, num_splits=splits)
+    assert rel_err(out, ref) < TOL, f"{name} splits={splits}: error {rel_err(out, ref):.2e}"
+
+
+def test_paged_attention_negative_controls():
+    """The comparison catches a wrong block table and a dropped tree mask."""
+    q, k, v, meta = paged_case([9, 40, 13], [1, 1, 1])
+    ref = TorchPagedAttention().forward(q, k, v, meta, None)
+    bad = meta.block_tables.flip(0).contiguous()
+    out = paged_attention(q, k, v, bad, meta.context_lens, scale=0.25)
+    assert rel_err(out, ref) > 1e-2
+    q, k, v, meta = paged_case([9, 40], [6, 6], tree=True, seed=3)
+    ref = TorchPagedAttention().forward(q, k, v, meta, None)
+    out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25,
+                          query_start=meta.query_start, max_query_len=6)  # causal, not the tree
+    assert rel_err(out, ref) > 1e-2
+
+
+def test_backend_prefill_sdpa_and_generic_decode():
+    """Backend 'triton': fresh prompts via SDPA (K/V read back by slot mapping), a mixed
+    batch through the kernel."""
+    for ctx, n_new in (([5, 7, 5, 1], [5, 7, 5, 1]), ([5, 7, 12], [1, 7, 3])):
+        q, k, v, meta = paged_case(ctx, n_new, heads=6)
+        page = k.shape[1]
+        meta.slot_mapping = torch.cat([
+            meta.block_tables[b, pos // page] * page + pos % page
+            for b, (c, n) in enumerate(zip(ctx, n_new)) for pos in [torch.arange(c - n, c)]])
+        ref = TorchPagedAttention().forward(q, k, v, meta, None)
+        out = TritonPagedAttention().forward(q, k, v, meta, None)
+        assert rel_err(out, ref) < TOL
+
+
+def test_fused_kernels_match_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 40, generator=g)
+    res = torch.randn(5, 40, generator=g)
+    w = 1 + 0.1 * torch.randn(40, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6), atol=1e-6, rtol=1e-6)
+    r = res.clone()
+    out = rms_norm(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(r, res + x, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_rms_norm(res + x, w, 1e-6), atol=1e-6, rtol=1e-6)
+
+    gu = torch.randn(3, 2 * 1100, generator=g)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gu), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+    heads, kvh, d, page = 6, 2, 16, 4
+    cos, sin = rope_table(64, d, 10000.0)
+    for qk_norm, with_bias in ((False, False), (False, True), (True, True)):
+        qkv = torch.randn(3, (heads + 2 * kvh) * d, generator=g)
+        pos = torch.tensor([0, 17, 63])
+        slots = torch.tensor([5, -1, 9])  # -1: padding row, must not be written
+        qn = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+        kn = 1 + 0.1 * torch.randn(d, generator=g) if qk_norm else None
+        kc = torch.zeros(4, page, kvh, d)
+        vc = torch.zeros(4, page, kvh, d)
+        bias = torch.randn((heads + 2 * kvh) * d, generator=g) if with_bias else None
+        q = qkv_rope_write_kv(qkv, pos, slots, cos, sin, kc, vc, num_heads=heads,
+                              num_kv_heads=kvh, head_dim=d, bias=bias, q_norm=qn, k_norm=kn)
+        rq, rk, rv = (qkv if bias is None else qkv + bias).split([heads * d, kvh * d, kvh * d], dim=-1)
+        rq, rk, rv = rq.reshape(3, heads, d), rk.reshape(3, kvh, d), rv.reshape(3, kvh, d)
+        if qk_norm:
+            rq, rk = ref_rms_norm(rq, qn, 1e-6), ref_rms_norm(rk, kn, 1e-6)
+        rq, rk = apply_rope(rq, cos[pos], sin[pos]), apply_rope(rk, cos[pos], sin[pos])
+        kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+        write_kv(kr, vr, slots[[0, 2]], rk[[0, 2]], rv[[0, 2]])
+        torch.testing.assert_close(q, rq, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(kc, kr, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(vc, vr, atol=0, rtol=0)
+
+
+def _weights(arch, seed):
+    """Random weights scaled so greedy tokens vary (a tiny random model otherwise repeats)."""
+    w = EngineWeights.make_dummy(arch, seed=seed)
+    with torch.no_grad():
+        for lw in w.layers:
+            for t in (lw.qkv_weight, lw.o_weight, lw.gate_up_weight, lw.down_weight):
+                t.mul_(4)
+    return w
+
+
+def _arch(family, tie):
+    return ModelArch(family=family, vocab_size=300, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=256, tie_word_embeddings=tie,
+                     qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+
+
+@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False)])
+def test_decode_model_matches_inference_model(family, tie):
+    """The fused decode forward == the reference forward (logits and the K/V it writes)."""
+    arch = _arch(family, tie)
+    w = _weights(arch, seed=1)
+    ref_model = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
+    fast = DecodeModel(arch, w, ref_model.cos, ref_model.sin)
+    caches = [PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8,
+                           block_size=4) for _ in range(2)]
+    g = torch.Generator().manual_seed(2)
+    for c in caches:  # an existing prefix
+        for layer in range(2):
+            c.k[layer].copy_(torch.randn(c.k[layer].shape, generator=g))
+            c.v[layer].copy_(torch.randn(c.v[layer].shape, generator=g))
+        g = torch.Generator().manual_seed(2)
+    ids = torch.tensor([3, 250, 7])
+    pos = torch.tensor([5, 0, 10])
+    bt = torch.tensor([[2, 5, 0], [1, 0, 0], [3, 4, 6]])
+    slots = torch.stack([bt[b, p // 4] * 4 + p % 4 for b, p in enumerate(pos.tolist())])
+    meta = AttentionMetadata(slot_mapping=slots, query_start=torch.arange(4),
+                             context_lens=pos + 1, block_tables=bt)
+    ref = ref_model.forward(ids, pos, caches[0], meta).logits
+    out = fast.forward(ids.to(torch.int32), pos.to(torch.int32), slots.to(torch.int32),
+                       bt.to(torch.int32), (pos + 1).to(torch.int32), caches[1], num_splits=2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for layer in range(2):
+        torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer], atol=1e-5, rtol=1e-5)
+
+
+def _requests(vocab, specs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Request(prompt_id=i, prompt_token_ids=torch.randint(0, vocab, (n,), generator=g).tolist(),
+                    sampling_params=SamplingParams(temperature=0.0, max_new_tokens=m,
+                                                   min_new_tokens=lo))
+            for i, (n, m, lo) in enumerate(specs)]
+
+
+def test_engine_triton_backend_matches_torch_backend():
+    """Engine with the decode runner (eager, padded buckets) == the reference engine:
+    same greedy tokens, logprobs to rounding; includes a non-bucket batch (3 -> 4), a
+    stop token banned by min_new_tokens, and a request finishing early."""
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=5)
+    reqs = _requests(300, [(5, 7, 0), (1, 5, 0), (17, 6, 6)])
+    ref_engine = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4)
+    ref = ref_engine.generate(reqs)
+    stop = ref[2].token_ids[1]  # request 2 must not stop on it (min_new_tokens=6)
+    ref_engine = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4,
+                               eos_token_ids=(stop,))
+    ref = ref_engine.generate(reqs)
+    eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4,
+                        eos_token_ids=(stop,), attention_backend="triton")
+    out = eng.generate(reqs)
+    assert eng.decode_runner is not None and eng.decode_runner.num_steps > 0
+    assert eng.decode_runner.buckets == [1, 2, 4]
+    assert len(ref[2].token_ids) == 6
+    for a, b in zip(ref, out):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs),
+                                   atol=1e-4, rtol=1e-4)
+        assert b.processed_logprobs == [0.0] * len(b.token_ids)
+
+
+def test_engine_verify_forward_tree_matches_torch_backend():
+    arch = _arch("qwen3", False)
+    w = _weights(arch, seed=6)
+    logits = []
+    for backend in ("torch", "triton"):
+        eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4,
+                            attention_backend=backend)
+        seqs = [eng.add_sequence(r) for r in _requests(300, [(6, 8, 0), (11, 8, 0)])]
+        out = eng.forward_pending(seqs)
+        eng.sample_and_append(seqs, out.logits)
+        eng.forward_pending(seqs)  # one decode step (the runner on triton)
+        q = 5
+        g = torch.Generator().manual_seed(0)
+        mask = torch.stack([tree_mask(q, g) for _ in seqs])
+        depth = mask.sum(-1) - 1
+        base = torch.tensor([s.num_computed for s in seqs])[:, None]
+        tokens = torch.randint(0, 300, (2, q), generator=g)
+        logits.append(eng.verify_forward(seqs, tokens, base + depth, mask))
+    torch.testing.assert_close(logits[1], logits[0], atol=5e-5, rtol=5e-5)
+
+
+def test_runner_configuration_errors():
+    assert bucket_sizes(None, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_sizes(None, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert bucket_sizes([8, 1, 32], 20) == [1, 8, 20]
+    with pytest.raises(ConfigError, match="batch sizes"):
+        bucket_sizes([0], 4)
+    arch = _arch("qwen2", True)
+    w = EngineWeights.make_dummy(arch)
+    with pytest.raises(ConfigError, match="CUDA device"):
+        RolloutEngine(arch, w, attention_backend="triton", cuda_graphs=True)
+    with pytest.raises(ConfigError, match="attention_backend='triton'"):
+        RolloutEngine(arch, w, cuda_graphs=True)

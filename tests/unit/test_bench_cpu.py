@@ -1,0 +1,64 @@
+"""`megatron-tlt bench rollout` end to end on CPU with the tiny shape: the code path runs and
+the JSON holds what the GPU run reports. No assertion on time (benchmarks are not tests)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the triton-backend case runs the kernels interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from megatron_tlt.cli import main  # noqa: E402
+
+TINY = ["--shapes", "tiny", "--steps", "2", "--repeats", "1", "--warmup", "1",
+        "--prompt-len", "8", "--device", "cpu"]
+
+
+def _run(tmp_path, *extra) -> dict:
+    path = tmp_path / "bench.json"
+    assert main(["bench", "rollout", "--json", str(path), *TINY, *extra]) == 0
+    return json.loads(path.read_text())
+
+
+def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
+    report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2")
+    for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
+        assert key in report
+    assert report["errors"] == []
+    assert report["command"].startswith("megatron-tlt bench rollout --json ")
+    assert "--shapes tiny" in report["command"]
+    assert report["bandwidth"]["roofline_GBps"] >= report["bandwidth"]["copy_rw_GBps"] > 0
+    rows = {r["batch"]: r for r in report["results"]}
+    assert sorted(rows) == [1, 2]
+    for b, r in rows.items():
+        assert r["decode_ms"] > 0 and r["roofline_ms"] > 0 and r["bytes"] > r["kv_bytes"] > 0
+        assert r["of_roofline"] == pytest.approx(r["roofline_ms"] / r["decode_ms"])
+    assert rows[2]["kv_bytes"] == 2 * rows[1]["kv_bytes"]
+    hf = report["hf"][0]
+    assert "error" not in hf, hf
+    assert hf["batch"] == 2 and hf["hf_ms_per_step"] > 0
+    # fp32 on CPU: HF generate and the engine agree on every token (same weights, prompts).
+    assert hf["mean_tokens_agreeing_with_engine"] == 2 + 2
+    assert rows[2]["hf_over_engine"] is not None
+    out = capsys.readouterr().out
+    assert "of_roof" in out and "hf/engine" in out
+
+
+def test_bench_rollout_cpu_triton_backend_device_loop(tmp_path):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is set up only on CPU-only machines")
+    report = _run(tmp_path, "--batch-sizes", "3", "--no-hf", "--backend", "triton")
+    assert report["attention_backend"] == "triton" and report["cuda_graphs"] is False
+    assert report["errors"] == []
+    (row,) = report["results"]
+    assert row["batch"] == 3 and row["decode_ms"] > 0 and row["engine_ms_per_step"] != 0
+
+
+def test_bench_bad_input(tmp_path, capsys):
+    assert main(["bench", "rollout", "--shapes", "huge", "--device", "cpu"]) == 2
+    assert "unknown shape 'huge'" in capsys.readouterr().err
+    assert main(["bench", "e2e"]) == 2
+    assert "not implemented" in capsys.readouterr().err
