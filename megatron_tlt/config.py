@@ -364,6 +364,16 @@ class RolloutConfig(ConfigSection):
     """Samples per prompt (the GRPO group size)."""
     spec: Literal["off", "eagle", "ngram", "adaptive"] = "off"
     """Speculative decoding: off, always EAGLE drafter, always n-gram, or adaptive."""
+    drafter: str | None = None
+    """EAGLE drafter directory (spec=eagle): written by `python -m megatron_tlt.spec.train_drafter`."""
+    spec_depth: int = 4
+    """Draft tokens per speculative step (tree depth)."""
+    spec_topk: int = 1
+    """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
+    spec_num_verify: int | None = None
+    """Tree nodes verified per step (the root counts); null: every drafted node."""
+    spec_threshold: int | None = None
+    """Speculate only while the running batch is <= this; null: always."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -173,11 +173,38 @@ class RLRun:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         weights = EngineWeights(self.arch, dtype=dt, device=device)
         r = self.cfg.rl
-        return RolloutEngine(self.arch, weights, max_num_seqs=r.max_num_seqs, num_blocks=r.num_kv_blocks,
+        engine = RolloutEngine(self.arch, weights, max_num_seqs=r.max_num_seqs, num_blocks=r.num_kv_blocks,
                              block_size=16, dtype=dt, device=device,
                              max_model_len=self.cfg.model.seq_length,
                              eos_token_ids=[self.tokenizer.eos_id], detokenize=self.tokenizer.decode,
                              seed=self.cfg.train.seed)
+        engine.spec_decoder = self._spec_decoder(weights)
+        return engine
+
+    def _spec_decoder(self, weights):
+        ro = self.cfg.rollout
+        if ro.spec == "off":
+            return None
+        if ro.spec == "adaptive":
+            raise ConfigError("rollout.spec=adaptive is not available in this build yet; use off, ngram or eagle")
+        from megatron_tlt.spec.decode import SpecDecoder
+        from megatron_tlt.spec.tree import Strategy
+
+        strategy = Strategy(depth=ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify)
+        if ro.spec == "eagle":
+            if not ro.drafter:
+                raise ConfigError("rollout.spec=eagle needs rollout.drafter (a drafter directory written by "
+                                  "python -m megatron_tlt.spec.train_drafter)")
+            from megatron_tlt.spec.eagle import EagleProposer
+            from megatron_tlt.spec.export import load_drafter
+
+            drafter = EagleProposer(load_drafter(ro.drafter, self.arch, weights.embed, weights.lm_head,
+                                                 dtype=weights.dtype, device=weights.device))
+        else:
+            from megatron_tlt.spec.ngram import NgramDrafter
+
+            drafter = NgramDrafter(max_ngram=4)
+        return SpecDecoder(drafter, strategy, threshold=ro.spec_threshold)
 
     # ---- the step ----------------------------------------------------------------------
     def _step_prompts(self) -> list[_Prompt]:
@@ -215,8 +242,12 @@ class RLRun:
                     reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
                                         sampling_params=sp))
             t0 = time.perf_counter()
+            sd = self.engine.spec_decoder
+            if sd is not None:
+                sd.metrics.reset()
             results = self.engine.generate(reqs)
             t_roll = time.perf_counter() - t0
+            spec = sd.metrics.summary()["total"] if sd is not None else {}
             for r in results:
                 if r.error:
                     raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")
@@ -237,7 +268,7 @@ class RLRun:
                 "response_tokens": [list(r.token_ids) for r in results],
                 "rollout_logprobs": [list(r.logprobs or []) for r in results],
                 "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
-                "policy_version": self.engine.policy_version,
+                "policy_version": self.engine.policy_version, "spec": spec,
             }]
         if dist.get_world_size(group) > 1:
             dist.broadcast_object_list(payload, src=src, group=group)
@@ -268,6 +299,9 @@ class RLRun:
              "t_rollout": ro["t_rollout"], "t_reward": ro["t_reward"],
              "rollout_tokens_per_s": sum(lengths) / max(ro["t_rollout"], 1e-9),
              "policy_version": ro["policy_version"]}
+        for k in ("acceptance_rate", "acceptance_length", "drafted", "accepted", "fallbacks"):
+            if isinstance(ro["spec"].get(k), (int, float)):
+                m[k] = ro["spec"][k]
         # Every DP rank must run the same number of micro-batches: pad with masked rows.
         n_local = torch.tensor([len(rows)], dtype=torch.long, device=self.actor.device)
         dist.all_reduce(n_local, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
