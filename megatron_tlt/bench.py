@@ -196,6 +196,9 @@ def _engine_generate(engine: RolloutEngine, prompts: list[list[int]], n: int):
 
 
 def _git_revision() -> str:
+    """HEAD of the checkout; MEGATRON_TLT_GIT_REV when the tree was copied without .git."""
+    if os.environ.get("MEGATRON_TLT_GIT_REV"):
+        return os.environ["MEGATRON_TLT_GIT_REV"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
