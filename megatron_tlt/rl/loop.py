@@ -115,6 +115,9 @@ class RLRun:
         if path is not None:
             state = self.ckpt.load(path, self.actor, self.optimizer)
             self.step, self.data_pos = int(state["step"]), int(state["data_position"])
+        self.ledger = os.path.join(self.out_dir, "ledger.jsonl")
+        if self.rank == 0:
+            _truncate_jsonl(self.ledger, self.step)  # steps after the checkpoint are redone
         from megatron_tlt.weights.sync import sync_actor_to_engine
 
         sync_actor_to_engine(self.actor, self.engine, version=self.step)
@@ -286,6 +289,10 @@ class RLRun:
         t_step = time.perf_counter()
         prompts = self._step_prompts()
         ro = self._rollout(prompts)
+        if os.environ.get("MEGATRON_TLT_FAULT_KILL_AT_STEP") == str(self.step + 1):
+            # Fault injection for the resume tests: die mid-step, after rollouts, like a
+            # preempted node would (no cleanup, no checkpoint).
+            os.kill(os.getpid(), 9)
         G = cfg.rollout.n_samples
         rewards = torch.tensor(ro["rewards"], dtype=torch.float32).view(-1, G)
         adv = group_advantages(rewards, std_normalize=r.std_normalize)
@@ -348,7 +355,7 @@ class RLRun:
         self.step += 1
         self.data_pos += self.prompts_per_step
         if self.rank == 0:
-            with open(os.path.join(self.out_dir, "ledger.jsonl"), "a") as f:
+            with open(self.ledger, "a") as f:
                 f.write(json.dumps({"step": self.step, "prompt_ids": sorted(set(batch.prompt_ids))}) + "\n")
         m["t_step"] = time.perf_counter() - t_step
         return m
@@ -369,6 +376,25 @@ class RLRun:
         self.metrics.close()
         if self.rank == 0:
             print(f"[train] done: {self.step} steps; metrics {self.metrics.path}; checkpoints {self.ckpt.root}")
+
+
+def _truncate_jsonl(path: str, step: int) -> None:
+    """Keep the lines of `path` with "step" <= step (and drop a line cut short by a crash)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                kept.append(json.dumps(rec) + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _convert_in_place(hf_dir: str, dst: str) -> None:
