@@ -62,8 +62,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_tlt", "megatron_tlt.*"]),
-    # Non-Python files shipped inside the package (e.g. the tiny tokenizer).
-    package_data={"megatron_tlt": ["data/assets/**/*"]},
+    # Non-Python files shipped inside the package (the tiny tokenizer, the tiny default policy).
+    package_data={"megatron_tlt": ["data/assets/**/*", "assets/**/*"]},
     install_requires=[
         "torch>=2.4",  # not pinned here: the environment chooses the build (scripts/setup_env.sh)
         "megatron-core==0.16.1",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (scripts/setup_env.sh) and run the main job on the built-in tiny default, on CPU.
-# Extra arguments are passed to the command.
+# Set up .venv (scripts/setup_env.sh) and run the main job on the built-in tiny default, on CPU:
+# GRPO on the shipped tiny policy (examples/tiny_cpu.yaml), then plots of its metrics.
+# Extra arguments are config overrides, e.g.  bash scripts/quickstart.sh train.steps=30
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -8,6 +9,13 @@ cd "$ROOT"
 bash scripts/setup_env.sh
 VENV="${TLT_VENV:-$ROOT/.venv}"
 
-# Until the RL loop lands this runs the demo; then it becomes:
-#   exec "$VENV/bin/megatron-tlt" train --config examples/tiny_cpu.yaml "$@"
-exec "$VENV/bin/megatron-tlt" demo "$@"
+"$VENV/bin/megatron-tlt" train --config examples/tiny_cpu.yaml "$@"
+OUT_DIR="$("$VENV/bin/python" - "$@" <<'PY'
+import sys
+from megatron_tlt.config import load_config
+print(load_config("examples/tiny_cpu.yaml", sys.argv[1:]).train.out_dir)
+PY
+)"
+"$VENV/bin/python" tools/plot_metrics.py "$OUT_DIR/metrics.jsonl" --out "$OUT_DIR/plots" >/dev/null
+echo "[quickstart] metrics: $OUT_DIR/metrics.jsonl"
+echo "[quickstart] plots:   $OUT_DIR/plots/ (reward, lengths, phase times, acceptance, loss)"

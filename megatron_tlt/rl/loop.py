@@ -79,7 +79,7 @@ class RLRun:
 
         self.model_dir = self._model_dir()
         self.tokenizer = self._tokenizer()
-        self.prompts = self._prompts()
+        self.prompts = self._fit(self._prompts())
         n = cfg.rollout.n_samples
         if cfg.train.global_batch_size % n:
             raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
@@ -155,6 +155,18 @@ class RLRun:
             return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task or self.cfg.rl.reward) for s in samples]
         samples = make_dataset(list(d.tasks), d.num_train, seed=self.cfg.train.seed, split="train")
         return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task) for s in samples]
+
+    def _fit(self, prompts: list[_Prompt]) -> list[_Prompt]:
+        """Drop prompts whose tokens + rollout.max_new_tokens exceed model.seq_length."""
+        budget = self.cfg.model.seq_length + 1 - self.cfg.rollout.max_new_tokens
+        kept = [p for p in prompts if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
+        if not kept:
+            raise ConfigError(f"every prompt is longer than model.seq_length ({self.cfg.model.seq_length}) - "
+                              f"rollout.max_new_tokens ({self.cfg.rollout.max_new_tokens}) + 1 tokens")
+        if len(kept) < len(prompts):
+            log.warning("dropped %d of %d prompts longer than %d tokens (model.seq_length - rollout.max_new_tokens + 1)",
+                        len(prompts) - len(kept), len(prompts), budget)
+        return kept
 
     def _mcore_checkpoint(self) -> str:
         from megatron_tlt.convert import hf_to_mcore

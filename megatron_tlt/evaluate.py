@@ -1,0 +1,182 @@
+"""`megatron-tlt eval`: exact-answer rate of a model on held-out synthetic prompts.
+
+Greedy decoding (temperature 0) with the native rollout engine on `n` prompts of the
+test split of the synthetic tasks (`data.tasks.make_dataset(..., split="test")`:
+never seen in training, whatever seed SFT used), each prompt fed as SFT fed it
+(`tokenizer.encode_prompt`). A response is right when the task's reward is 1 (its
+final ``####`` answer equals the reference). Reports the rate overall, per task and by
+reference-solution length (the long tail: short problems should be solved, long ones
+mostly not), the mean response length, and how many responses hit the token limit.
+
+Each request gets at most `max_new_tokens` new tokens, fewer when the prompt leaves
+less room in the model's context (max_position_embeddings); a response cut off by
+the limit has no final answer and counts as wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+from megatron_tlt.errors import TLTError
+
+log = logging.getLogger(__name__)
+
+LENGTH_BUCKETS = (64, 128, 256, 512)
+"""Upper bounds (reference solution tokens) of the length buckets in the report."""
+
+
+def _bucket(n_tokens: int) -> str:
+    lo = 0
+    for hi in LENGTH_BUCKETS:
+        if n_tokens < hi:
+            return f"{lo}-{hi - 1}"
+        lo = hi
+    return f">={lo}"
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="HF model directory (config.json, safetensors, tokenizer files)")
+    parser.add_argument("--tasks", default="arith,sort", help="comma-separated synthetic tasks")
+    parser.add_argument("--n", type=int, default=200, help="held-out prompts (cycled over the tasks)")
+    parser.add_argument("--seed", type=int, default=0, help="which held-out prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size")
+    parser.add_argument("--device", default="auto",
+                        help="auto (cuda when available, else cpu), cpu or cuda[:i]; float32 on CPU, "
+                             "the checkpoint's dtype on GPU")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return parser
+
+
+def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 200, seed: int = 0,
+             max_new_tokens: int = 512, *, max_num_seqs: int = 64, progress: bool = False,
+             keep_responses: bool = False, device: str = "auto") -> dict:
+    """Greedy exact-answer evaluation; returns the report as a dict (see module docstring)."""
+    import torch
+
+    from megatron_tlt.data.tasks import get_task, make_dataset
+    from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.rollout import Request, RolloutEngine, SamplingParams, load_hf
+
+    if n < 1:
+        raise TLTError(f"--n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise TLTError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    tasks = [t.strip() for t in tasks if t.strip()]
+    for t in tasks:
+        get_task(t)  # unknown names fail before any work
+    if not tasks:
+        raise TLTError("--tasks is empty; give e.g. --tasks arith,sort")
+    samples = make_dataset(tasks, n, seed, split="test")
+    from megatron_tlt.models.arch import ModelArch
+
+    declared = ModelArch.from_hf_dir(model_dir)  # a missing/bad model directory fails here, first
+    tokenizer = load_tokenizer(model_dir)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float32
+    if not device.startswith("cpu"):
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(declared.torch_dtype, torch.bfloat16)
+    arch, weights = load_hf(model_dir, dtype=dtype, device=device)
+    max_len = arch.max_position_embeddings
+    requests = []
+    for s in samples:
+        ids = tokenizer.encode_prompt(s.prompt)
+        room = max_len - len(ids)
+        if room < 1:
+            raise TLTError(f"prompt {s.prompt_id} has {len(ids)} tokens, no room left in the model's "
+                           f"context ({max_len})")
+        requests.append(Request(prompt_id=s.prompt_id, prompt_token_ids=ids, sampling_params=SamplingParams(
+            temperature=0.0, max_new_tokens=min(max_new_tokens, room), logprobs=False)))
+    block = 16
+    per_seq = sorted((-(-(len(r.prompt_token_ids) + r.sampling_params.max_new_tokens) // block)
+                      for r in requests), reverse=True)
+    engine = RolloutEngine(arch, weights, max_num_seqs=max_num_seqs, num_blocks=sum(per_seq[:max_num_seqs]),
+                           block_size=block, max_model_len=max_len, eos_token_ids=[tokenizer.eos_id],
+                           seed=seed, dtype=dtype, device=device)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), unit="prompt", desc="eval", dynamic_ncols=True)
+
+    def on_progress(p):
+        bar.n = p.num_done
+        bar.set_postfix(tok_s=f"{p.tokens_per_s:.0f}", refresh=False)
+        bar.refresh()
+
+    t0 = time.perf_counter()
+    try:
+        results = engine.generate(requests, progress=on_progress if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.perf_counter() - t0
+
+    def new_group():
+        return {"n": 0, "correct": 0, "response_tokens": 0, "truncated": 0}
+
+    overall, per_task, per_bucket = new_group(), {t: new_group() for t in tasks}, {}
+    responses = []
+    for s, r in zip(samples, results):
+        if r.error is not None:
+            raise TLTError(f"prompt {s.prompt_id}: rejected by the engine: {r.error}")
+        text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        ok = get_task(s.task).reward(text, s.answer) == 1.0
+        ref_len = len(tokenizer.encode(s.solution)) + 1
+        bucket = _bucket(ref_len)
+        for g in (overall, per_task[s.task], per_bucket.setdefault(bucket, new_group())):
+            g["n"] += 1
+            g["correct"] += int(ok)
+            g["response_tokens"] += len(r.token_ids)
+            g["truncated"] += int(r.finish_reason == "length")
+        if keep_responses:
+            responses.append({"prompt_id": s.prompt_id, "task": s.task, "correct": ok, "answer": s.answer,
+                              "response": text, "reference_tokens": ref_len, "finish_reason": r.finish_reason})
+
+    def summary(g):
+        return {"n": g["n"], "correct": g["correct"], "rate": g["correct"] / max(1, g["n"]),
+                "mean_response_tokens": g["response_tokens"] / max(1, g["n"]), "truncated": g["truncated"]}
+
+    order = {b: i for i, b in enumerate([_bucket(x - 1) for x in LENGTH_BUCKETS] + [_bucket(10**9)])}
+    report = {"model": os.path.abspath(model_dir), "tasks": tasks, "n": n, "seed": seed,
+              "max_new_tokens": max_new_tokens, "device": str(device), "overall": summary(overall),
+              "per_task": {t: summary(g) for t, g in per_task.items()},
+              "by_reference_length": {b: summary(per_bucket[b]) for b in sorted(per_bucket, key=order.get)},
+              "generated_tokens": overall["response_tokens"], "elapsed_s": elapsed}
+    if keep_responses:
+        report["responses"] = responses
+    return report
+
+
+def format_report(report: dict) -> str:
+    o = report["overall"]
+    lines = [f"exact-answer rate: {o['rate']:.1%} ({o['correct']}/{o['n']})  "
+             f"mean response {o['mean_response_tokens']:.1f} tokens  truncated {o['truncated']}  "
+             f"[{report['model']}, split=test, seed={report['seed']}, greedy]"]
+    lines.append(f"  {'':<20}{'rate':>8}{'correct':>10}{'mean tokens':>13}{'truncated':>11}")
+    for title, groups in (("task", report["per_task"]), ("ref. tokens", report["by_reference_length"])):
+        for name, g in groups.items():
+            lines.append(f"  {title + ' ' + name:<20}{g['rate']:>8.1%}{g['correct']:>5}/{g['n']:<4}"
+                         f"{g['mean_response_tokens']:>13.1f}{g['truncated']:>11}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    report = evaluate(args.model, args.tasks.split(","), n=args.n, seed=args.seed,
+                      max_new_tokens=args.max_new_tokens, max_num_seqs=getattr(args, "max_num_seqs", 64),
+                      progress=sys.stderr.isatty(), device=getattr(args, "device", "auto"))
+    print(format_report(report), flush=True)
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(parent, exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
