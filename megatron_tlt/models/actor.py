@@ -122,7 +122,6 @@ class Actor:
         (scaled by 1/len(microbatches))."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        arch = self.arch
         device = self.device
 
         def forward_step(data_iterator, model):

@@ -169,8 +169,6 @@ class RLRun:
         return kept
 
     def _mcore_checkpoint(self) -> str:
-        from megatron_tlt.convert import hf_to_mcore
-
         if self.cfg.model.mcore_ckpt:
             return self.cfg.model.mcore_ckpt
         dst = os.path.join(self.out_dir, "init_mcore")

@@ -43,3 +43,15 @@ def make_tiny_hf(path: str, family: str = "llama", seed: int = 0, dtype=torch.fl
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint directory (single file or shards)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

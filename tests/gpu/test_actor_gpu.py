@@ -15,18 +15,10 @@ import pytest
 import torch
 
 from megatron_tlt.convert import hf_to_mcore, mcore_to_hf
-from megatron_tlt.testing.tiny_models import FAMILIES, make_tiny_hf
+from megatron_tlt.testing.tiny_models import FAMILIES, hf_tensors, make_tiny_hf
 
 SCRIPT = Path(__file__).parent.parent / "integration" / "scripts" / "actor_check.py"
 
-
-def _tensors(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +53,7 @@ def test_logits_and_roundtrip_nccl(models, run_torchrun, tmp_path, tp, pp):
         assert res["perturbed_max_abs_diff"] > 1e-2, res
         back = tmp_path / f"back_{fam}"
         mcore_to_hf(save, str(back), progress=False)
-        a, b = _tensors(models[fam][0]), _tensors(back)
+        a, b = hf_tensors(models[fam][0]), hf_tensors(back)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), fam
 
 
@@ -76,9 +68,9 @@ def test_megatron_distributed_optimizer_matches_local(models, run_torchrun, tmp_
         for fam, save, res in zip(fams, saves, json.loads(out.read_text())):
             back = tmp_path / f"{kind}_hf_{fam}"
             mcore_to_hf(save, str(back), progress=False)
-            got[kind, fam] = (_tensors(back), res)
+            got[kind, fam] = (hf_tensors(back), res)
     for fam in fams:
-        base = _tensors(models[fam][0])
+        base = hf_tensors(models[fam][0])
         (a, ra), (b, rb) = got["local", fam], got["megatron", fam]
         moved = max((a[k] - base[k]).abs().max().item() for k in base)
         diff = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -12,23 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megatron_tlt.convert import hf_to_mcore, mcore_to_hf
-from megatron_tlt.testing.tiny_models import FAMILIES, make_tiny_hf
+from megatron_tlt.testing.tiny_models import FAMILIES, hf_tensors, make_tiny_hf
 
 SCRIPT = Path(__file__).parent / "scripts" / "actor_check.py"
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
-
-def _hf_tensors(path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if (path / "model.safetensors").exists():
-        return load_file(str(path / "model.safetensors"))
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +56,7 @@ def test_roundtrip_and_logits(models, run_torchrun, tp, pp, tmp_path):
         # HF -> mcore -> (load and save at tp/pp) -> HF is bit-exact
         back = str(tmp_path / f"back_{fam}")
         mcore_to_hf(save, back, progress=False)
-        a, b = _hf_tensors(models[fam]["hf"]), _hf_tensors(back)
+        a, b = hf_tensors(models[fam]["hf"]), hf_tensors(back)
         assert set(a) == set(b), (fam, set(a) ^ set(b))
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (fam, tp, pp, k)
@@ -91,9 +81,9 @@ def test_optimizer_step_tp2_equals_tp1(models, run_torchrun, tmp_path):
         for fam, save, r in zip(fams, saves, res):
             back = str(tmp_path / f"opthf_{fam}_{tp}{pp}")
             mcore_to_hf(save, back, progress=False)
-            updated[fam, tp, pp] = (_hf_tensors(back), r)
+            updated[fam, tp, pp] = (hf_tensors(back), r)
     for fam in fams:
-        base = _hf_tensors(models[fam]["hf"])
+        base = hf_tensors(models[fam]["hf"])
         ref, r1 = updated[fam, 1, 1]
         moved = max((ref[k] - base[k]).abs().max().item() for k in base)
         assert moved > 1e-4, "the step must change the weights for the comparison to mean anything"

@@ -16,14 +16,8 @@ from safetensors.torch import load_file, save_file
 from megatron_tlt import cli
 from megatron_tlt.convert import hf_to_mcore, mcore_to_hf
 from megatron_tlt.errors import CheckpointError
-from megatron_tlt.testing.tiny_models import make_tiny_hf
+from megatron_tlt.testing.tiny_models import hf_tensors, make_tiny_hf
 
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.mark.parametrize("family,dtype,shard", [("llama", torch.float32, False), ("qwen2", torch.bfloat16, True),
@@ -47,7 +41,7 @@ def test_roundtrip_one_process(tmp_path, family, dtype, shard):
     assert meta["dtype"] == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     assert not (tmp_path / "mc.partial").exists()
     mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back"), progress=False, shard_bytes=50_000)
-    a, b = _tensors(hf), _tensors(tmp_path / "back")
+    a, b = hf_tensors(hf), hf_tensors(tmp_path / "back")
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
