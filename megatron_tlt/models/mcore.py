@@ -56,13 +56,17 @@ def init_distributed(backend: Optional[str] = None) -> None:
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ:  # plain `python`/`megatron-tlt` run: world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    timeout = datetime.timedelta(minutes=10)
+    if "RANK" not in os.environ:
+        # A plain `python`/`megatron-tlt` run: a world of one on a free local port. The
+        # address goes in init_method, not os.environ, so child processes (conversion,
+        # tests launching runs) do not inherit a RANK/MASTER_PORT that is not theirs.
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: Optional[str] = None) -> None:

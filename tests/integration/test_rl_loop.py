@@ -45,7 +45,9 @@ def _train(out, hf, prompts, *extra, env=None, check=True):
             "rollout.max_new_tokens=12", "rollout.n_samples=4", "train.global_batch_size=8",
             "train.micro_batch_size=4", f"train.steps={STEPS}", f"train.save_interval={SAVE_EVERY}",
             "rl.num_kv_blocks=256", "optim.lr=1e-3", f"train.out_dir={out}", *extra]
-    e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    e.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     e.update(env or {})
     log = Path(str(out) + ".log")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
