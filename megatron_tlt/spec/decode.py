@@ -47,7 +47,6 @@ it will be re-prefilled and re-observed), `finish` is called when it is done.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Callable
 
@@ -58,7 +57,7 @@ from megatron_tlt.rollout.sampling import draw_exponential
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
 from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
-from megatron_tlt.spec.verify import verify_tree_greedy, verify_tree_rejection
+from megatron_tlt.spec.verify import nvtx_range, verify_tree_greedy, verify_tree_rejection
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +227,7 @@ class SpecDecoder:
                 caps.append(cap)
         spec, fallbacks = [], 0
         if cand:
-            with _nvtx("spec/draft", engine.device):
+            with nvtx_range("spec/draft", engine.device):
                 trees = self.drafter.propose(cand, strategy, caps, seqs)
             for s, t, cap in zip(cand, trees, caps):
                 if t.fallback_reason is not None:
@@ -303,7 +302,7 @@ class SpecDecoder:
         accept_len = torch.zeros(bsz, dtype=torch.int64)
         out_tokens = torch.zeros(bsz, batch.max_depth + 1, dtype=torch.int64)
         probs = None
-        with _nvtx("spec/verify", engine.device):
+        with nvtx_range("spec/verify", engine.device):
             g = greedy.nonzero().squeeze(1)
             if g.numel():
                 gd = g.to(dev)
@@ -383,14 +382,3 @@ class SpecDecoder:
                     out[b, rows[:, None], idx[None, :]] = float("-inf")
         return logits if out is None else out
 
-
-@contextlib.contextmanager
-def _nvtx(name: str, device):
-    if getattr(device, "type", "cpu") == "cuda":
-        torch.cuda.nvtx.range_push(name)
-        try:
-            yield
-        finally:
-            torch.cuda.nvtx.range_pop()
-    else:
-        yield

@@ -299,8 +299,9 @@ def _use_kernel(op: str, device: torch.device, impl: str | None) -> bool:
 
 
 @contextlib.contextmanager
-def _nvtx(name: str, device: torch.device):
-    if device.type == "cuda" and not torch.compiler.is_compiling():
+def nvtx_range(name: str, device: torch.device):
+    """An NVTX range around the block on CUDA (not while torch.compile traces); a no-op elsewhere."""
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
         torch.cuda.nvtx.range_push(name)
         try:
             yield
@@ -333,7 +334,7 @@ def verify_tree_greedy(
     """Greedy verification of draft trees (verify_ref.py defines it)."""
     op = "verify_tree_greedy"
     max_depth, out = _prepare(op, parents, draft_tokens, target_probs, None, None, None, max_depth, out, validate)
-    with _nvtx("spec/verify/greedy", target_probs.device):
+    with nvtx_range("spec/verify/greedy", target_probs.device):
         if _use_kernel(op, target_probs.device, impl):
             torch.ops.megatron_tlt.verify_tree_greedy(
                 parents.contiguous(), draft_tokens.contiguous(), target_probs.contiguous(),
@@ -362,7 +363,7 @@ def verify_tree_rejection(
     max_depth, out = _prepare(
         op, parents, draft_tokens, target_probs, draft_probs, coins, exp_noise, max_depth, out, validate
     )
-    with _nvtx("spec/verify/rejection", target_probs.device):
+    with nvtx_range("spec/verify/rejection", target_probs.device):
         if _use_kernel(op, target_probs.device, impl):
             torch.ops.megatron_tlt.verify_tree_rejection(
                 parents.contiguous(), draft_tokens.contiguous(), target_probs.contiguous(),
