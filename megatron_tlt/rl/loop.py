@@ -220,15 +220,20 @@ class RLRun:
         return SpecDecoder(drafter, strategy, threshold=ro.spec_threshold)
 
     # ---- the step ----------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """The seeded permutation of the prompt set for `epoch` (computed once per epoch)."""
+        if getattr(self, "_order", (None,))[0] != epoch:
+            gen = torch.Generator().manual_seed(self.cfg.train.seed * 1000 + epoch)
+            self._order = (epoch, torch.randperm(len(self.prompts), generator=gen))
+        return self._order[1]
+
     def _step_prompts(self) -> list[_Prompt]:
         """This DP rank's prompts for the current step (epochs are seeded permutations)."""
         n = len(self.prompts)
         ids = []
         for k in range(self.prompts_per_step):
-            pos = self.data_pos + k
-            epoch, off = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.train.seed * 1000 + epoch))
-            ids.append(int(perm[off]))
+            epoch, off = divmod(self.data_pos + k, n)
+            ids.append(int(self._epoch_order(epoch)[off]))
         share = self.prompts_per_step // self.dp
         mine = ids[self.dp_rank * share:(self.dp_rank + 1) * share]
         return [self.prompts[i] for i in mine]
