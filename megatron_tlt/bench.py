@@ -2,7 +2,8 @@
 and against Hugging Face `generate`, all measured in one run; a table and a JSON file.
 
     megatron-tlt bench rollout --json FILE [--shapes 1.5b,7b] [--batch-sizes 1,8,32,128]
-        [--steps N] [--repeats R] [--prompt-len P] [--hf-batch-sizes 1,8,16,32] [--no-hf]
+        [--steps N] [--repeats R] [--prompt-len P] [--hf-batch-sizes 1,16] [--no-hf]
+        [--hf-modes compiled,eager] [--compare-cublas]
 
 Models: Qwen2.5-1.5B- and 7B-shaped bf16 decoders with RANDOM weights built directly on
 the device (`--shapes tiny` is a small model for CPU runs). Every prompt has P tokens and
@@ -87,7 +88,12 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--hf-batch-sizes", type=_int_list, default=[1, 8, 16, 32])
+    p.add_argument("--hf-batch-sizes", type=_int_list, default=[1, 16])
+    p.add_argument("--hf-modes", default="compiled,eager",
+                   help="transformers baselines: 'compiled' (generate's own torch.compile of the "
+                        "static-cache decode step, HF's default on CUDA) and/or 'eager'")
+    p.add_argument("--compare-cublas", action="store_true",
+                   help="also time decode with every projection on cuBLAS (graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -101,6 +107,11 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
             raise TLTError(f"bench rollout: --{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         raise TLTError("bench rollout: --warmup must be >= 0")
+    modes = [m for m in args.hf_modes.split(",") if m]
+    bad = [m for m in modes if m not in ("compiled", "eager")]
+    if bad or not modes:
+        raise TLTError(f"bench rollout: --hf-modes takes compiled and/or eager, got {args.hf_modes!r}")
+    args.hf_modes = modes
     return args
 
 
@@ -346,7 +357,9 @@ def build_hf_model(arch: ModelArch, weights: EngineWeights):
     return model
 
 
-def hf_generate_fn(model, prompts: list[list[int]]):
+def hf_generate_fn(model, prompts: list[list[int]], *, compiled: bool):
+    """generate() with a static cache; `compiled`: transformers compiles the decode step
+    itself (its default for static caches on CUDA), else it runs eagerly."""
     ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
     mask = torch.ones_like(ids)
 
@@ -354,7 +367,7 @@ def hf_generate_fn(model, prompts: list[list[int]]):
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                  min_new_tokens=n, do_sample=False, num_beams=1,
-                                 cache_implementation="static", disable_compile=True,
+                                 cache_implementation="static", disable_compile=not compiled,
                                  pad_token_id=0, eos_token_id=None)
         return out[:, ids.shape[1]:]
     return run
@@ -381,7 +394,7 @@ def _plan(args) -> _Plan:
     return _Plan(device, backend, graphs, dtype)
 
 
-def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]]:
+def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict], dict]:
     arch = ModelArch(**SHAPES[name])
     batch_sizes = sorted(set(args.batch_sizes))
     want_hf = not args.no_hf and name in args.hf_shapes.split(",")
@@ -451,21 +464,44 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         rows.append(row)
         log(f"[{name}] B={b}: decode {_fmt(d)} ms/step, engine {_fmt(e2e_ms)} ms/step")
 
+    runner = engine.decode_runner
+    plans = []
+    if runner is not None:
+        plans = [{"m": k[0], "n": k[1], "k": k[2], "config": str(c), "us": us,
+                  "candidates_us": runner.model.planner.timings.get(k, {})}
+                 for k, (c, us) in runner.model.planner.plans.items()]
+    if args.compare_cublas and runner is not None and plan.graphs:
+        from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
+        runner.model.planner = LinearPlanner(fixed=CUBLAS)
+        runner.release()
+        for row in rows:
+            try:
+                row["decode_ms_cublas"] = time_device_decode(
+                    engine, prompts[:row["batch"]], steps=args.steps, repeats=args.repeats,
+                    warmup=args.warmup)
+                log(f"[{name}] B={row['batch']}: decode with cuBLAS-only projections "
+                    f"{row['decode_ms_cublas']:.3f} ms/step")
+            except Exception as e:  # noqa: BLE001
+                row["errors"].append(f"decode (cublas): {type(e).__name__}: {e}")
+
     hf_rows = []
     if want_hf:
         try:
             model = build_hf_model(arch, weights)
-            for b in hf_sizes:
-                ms, toks = time_generate(hf_generate_fn(model, prompts[:b]), n_short, n_long,
-                                         max(1, min(3, args.repeats)), clock)
-                ours = engine_tokens.get(b)
-                agree = None
-                if ours is not None:
-                    hf_t = toks.tolist()
-                    agree = statistics.mean(_prefix_agreement(o, h) for o, h in zip(ours, hf_t))
-                hf_rows.append({"shape": name, "batch": b, "hf_ms_per_step": ms,
-                                "mean_tokens_agreeing_with_engine": agree})
-                log(f"[{name}] HF B={b}: {ms:.3f} ms/step")
+            for mode in args.hf_modes:
+                for b in hf_sizes:
+                    t_mode = time.perf_counter()
+                    ms, toks = time_generate(hf_generate_fn(model, prompts[:b], compiled=mode == "compiled"),
+                                             n_short, n_long, max(1, min(3, args.repeats)), clock)
+                    ours = engine_tokens.get(b)
+                    agree = None
+                    if ours is not None:
+                        hf_t = toks.tolist()
+                        agree = statistics.mean(_prefix_agreement(o, h) for o, h in zip(ours, hf_t))
+                    hf_rows.append({"shape": name, "batch": b, "mode": mode, "hf_ms_per_step": ms,
+                                    "mean_tokens_agreeing_with_engine": agree,
+                                    "wall_s": time.perf_counter() - t_mode})
+                    log(f"[{name}] HF {mode} B={b}: {ms:.3f} ms/step")
             del model
         except Exception as e:  # noqa: BLE001 - a baseline failure must not lose our numbers
             hf_rows.append({"shape": name, "error": f"{type(e).__name__}: {e}"})
@@ -473,7 +509,7 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     del engine, weights
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, hf_rows
+    return rows, hf_rows, {name: plans}
 
 
 def _prefix_agreement(a: list[int], b: list[int]) -> int:
@@ -514,10 +550,10 @@ def main(args: argparse.Namespace) -> int:
     bw = measure_bandwidth(plan.device, bw_bytes)
     log(f"bandwidth: copy {bw['copy_rw_GBps']:.0f} GB/s (read+write), read-only "
         f"{bw['read_GBps']:.0f} GB/s -> roofline {bw['roofline_GBps']:.0f} GB/s")
-    rows, hf_rows, errors = [], [], []
+    rows, hf_rows, errors, plans = [], [], [], {}
     for s in shapes:
         try:
-            r, h = run_shape(s, opts, plan, log)
+            r, h, p = run_shape(s, opts, plan, log)
         except Exception as e:  # noqa: BLE001 - the other shapes still run; reported below
             errors.append(f"{s}: {type(e).__name__}: {e}")
             log(f"[{s}] failed: {traceback.format_exc()}")
@@ -526,9 +562,13 @@ def main(args: argparse.Namespace) -> int:
             continue
         rows += r
         hf_rows += h
+        plans.update(p)
     errors += [f"{r['shape']} B={r['batch']}: {e}" for r in rows for e in r["errors"]]
     errors += [f"{h['shape']} HF: {h['error']}" for h in hf_rows if "error" in h]
-    hf_ms = {(h["shape"], h["batch"]): h["hf_ms_per_step"] for h in hf_rows if "hf_ms_per_step" in h}
+    hf_ms: dict[tuple, dict[str, float]] = {}
+    for h in hf_rows:
+        if "hf_ms_per_step" in h:
+            hf_ms.setdefault((h["shape"], h["batch"]), {})[h["mode"]] = h["hf_ms_per_step"]
 
     def ratio(a, b):
         return a / b if a is not None and b is not None and a > 0 and b > 0 else None
@@ -536,8 +576,13 @@ def main(args: argparse.Namespace) -> int:
     for row in rows:
         row["roofline_ms"] = row["bytes"] / (bw["roofline_GBps"] * 1e6)
         row["of_roofline"] = ratio(row["roofline_ms"], row["decode_ms"])
-        hf = hf_ms.get((row["shape"], row["batch"]))
+        modes = hf_ms.get((row["shape"], row["batch"]), {})
+        # the faster transformers mode is the baseline (compiled when it ran)
+        hf = min(modes.values()) if modes else None
         row["hf_ms_per_step"] = hf
+        row["hf_mode"] = min(modes, key=modes.get) if modes else None
+        row["hf_ms_by_mode"] = modes
+        row["of_roofline_cublas"] = ratio(row["roofline_ms"], row.get("decode_ms_cublas"))
         row["hf_over_decode"] = ratio(hf, row["decode_ms"])
         row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
 
@@ -565,7 +610,8 @@ def main(args: argparse.Namespace) -> int:
         "settings": {"shapes": shapes, "batch_sizes": opts.batch_sizes, "steps": opts.steps,
                      "repeats": opts.repeats, "warmup": opts.warmup,
                      "prompt_len": opts.prompt_len, "hf_batch_sizes": opts.hf_batch_sizes,
-                     "hf": not opts.no_hf, "seed": opts.seed},
+                     "hf": not opts.no_hf, "hf_modes": opts.hf_modes,
+                     "compare_cublas": opts.compare_cublas, "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
             "decode_ms": "graph replay + on-device greedy argmax + input update, CUDA events, "
@@ -575,11 +621,16 @@ def main(args: argparse.Namespace) -> int:
             "roofline_ms": "(all weights once + KV of the mean context) / max(copy read+write "
                            "bandwidth, read-only sum bandwidth)",
             "of_roofline": "roofline_ms / decode_ms",
-            "hf_ms_per_step": "transformers generate, static cache, greedy, no compile "
-                              "(differenced lengths)",
+            "hf_ms_per_step": "transformers generate, static cache, greedy, the faster of its "
+                              "compiled (generate's auto torch.compile) and eager modes "
+                              "(differenced lengths; hf_ms_by_mode has both)",
+            "decode_ms_cublas": "decode_ms with every projection on cuBLAS (LinearPlanner fixed)",
+            "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
+                            "the microseconds it timed for each candidate",
         },
         "results": rows,
         "hf": hf_rows,
+        "linear_plans": plans,
         "errors": errors,
         "wall_s": time.perf_counter() - start,
     }

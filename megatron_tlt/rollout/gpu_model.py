@@ -9,8 +9,12 @@ tensors. Per decoder layer it launches
     -> paged attention (+ split-K combine) -> O GEMM -> add+RMSNorm -> gate_up GEMM
     -> SiLU*mul -> down GEMM
 
-i.e. one cuBLAS GEMM per fused projection (weights are read once per step) and four
-small Triton kernels; the tied LM head is the embedding matrix, read once.
+i.e. one GEMM per fused projection (weights are read once per step) and four small
+Triton kernels; the tied LM head is the embedding matrix, read once. Each projection runs
+as cuBLAS or as a bandwidth-shaped Triton GEMV with split-K, whichever `LinearPlanner`
+timed faster for that batch size (triton_linear.py); a split GEMV leaves float32
+partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul all
+take planes), so split-K costs no extra kernel and no atomics.
 
 Numerics follow the reference (and HF) rounding points so the fused kernels round where
 the unfused bf16 ops round: the residual sum is rounded to the model dtype, RMSNorm
@@ -24,13 +28,13 @@ context length 1 and any valid block table; their logits are ignored.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import paged_attention
+from megatron_tlt.rollout.triton_linear import LinearPlanner, linear_into, linear_partials
 from megatron_tlt.rollout.weights import EngineWeights
 
 
@@ -39,12 +43,26 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _sum_planes(ptr, stride_s, offs, mask, S: tl.constexpr):
+    """float32 sum of S partial-sum planes (triton_linear.py), added in plane order."""
+    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S):
+        acc += tl.load(ptr + s * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x, stride_r,
+                     stride_o, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = _sum_planes(x_ptr + row * stride_x, stride_xs, cols, ok, S)
+    if HAS_BIAS:  # the projection's bias, added before its output is rounded
+        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    x = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection output's rounding
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         s = (x + r).to(res_ptr.dtype.element_ty)
@@ -56,30 +74,42 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor,  # [T, N]
-             weight: torch.Tensor,  # [N]
+def _planes(x: torch.Tensor) -> torch.Tensor:
+    """[T, N] -> [1, T, N]; partial-sum planes [S, T, N] pass through."""
+    return x.unsqueeze(0) if x.dim() == 2 else x
+
+
+def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a projection
+             weight: torch.Tensor,  # [N] in the model dtype
              eps: float,
              residual: torch.Tensor | None = None,  # [T, N], updated in place: residual += x
-             ) -> torch.Tensor:  # [T, N]: RMSNorm(residual + x) (or of x without residual)
-    t, n = x.shape
-    out = torch.empty_like(x)
+             bias: torch.Tensor | None = None,  # [N]: the bias of the projection x came from
+             ) -> torch.Tensor:  # [T, N] in weight's dtype: RMSNorm(residual + x) (or of x)
+    """x = sum of the planes (+ bias), rounded to the model dtype once; then the residual
+    add (rounded), RMSNorm in float32 and the weight multiply, as the reference rounds."""
+    xp = _planes(x)
+    s, t, n = xp.shape
+    if xp.stride(-1) != 1:
+        raise ValueError("rms_norm: x must be contiguous in its last dimension")
+    out = torch.empty(t, n, dtype=weight.dtype, device=xp.device)
     block = max(16, _next_pow2(n))
-    res = residual if residual is not None else x
-    _rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0),
-                           float(eps), N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-                           num_warps=4 if block <= 2048 else 8)
+    res = residual if residual is not None else out
+    _rms_norm_kernel[(t,)](xp, res, weight, bias if bias is not None else weight, out,
+                           xp.stride(0), xp.stride(1), res.stride(0), out.stride(0),
+                           float(eps), N=n, BLOCK=block, S=s, HAS_RESIDUAL=residual is not None,
+                           HAS_BIAS=bias is not None, num_warps=4 if block <= 2048 else 8)
     return out
 
 
 @triton.jit
 def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
                      q_out_ptr, k_cache_ptr, v_cache_ptr,
-                     stride_qkv, stride_pos, stride_slot, stride_cos,
+                     stride_qkv_s, stride_qkv, stride_pos, stride_slot, stride_cos,
                      stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
                      eps,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+                     S: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
     # One program per token, all its query and key heads as rows h = 0..H+KVH-1 (query
     # heads first, as in the fused QKV output). Every `.to(<model dtype>).to(tl.float32)`
     # is one rounding to the model dtype, where the reference's bf16 torch ops round.
@@ -89,13 +119,13 @@ def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_
     is_q = h < NUM_HEADS
     ok = (h < NUM_HEADS + NUM_KV_HEADS) & (i < HALF)
     row = qkv_ptr + t * stride_qkv + h * HEAD_DIM  # key head j sits at column (NUM_HEADS + j) * D
-    x1 = tl.load(row + i, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(row + HALF + i, mask=ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:  # the QKV bias, added here rather than by a separate cuBLAS bias copy
-        x1 = (x1 + tl.load(bias_ptr + h * HEAD_DIM + i, mask=ok, other=0.0).to(tl.float32)
-              ).to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        x2 = (x2 + tl.load(bias_ptr + h * HEAD_DIM + HALF + i, mask=ok, other=0.0).to(tl.float32)
-              ).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    x1 = _sum_planes(row, stride_qkv_s, i, ok, S)
+    x2 = _sum_planes(row + HALF, stride_qkv_s, i, ok, S)
+    if HAS_BIAS:  # the QKV bias, added before the projection's rounding (F.linear's epilogue)
+        x1 += tl.load(bias_ptr + h * HEAD_DIM + i, mask=ok, other=0.0).to(tl.float32)
+        x2 += tl.load(bias_ptr + h * HEAD_DIM + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    x1 = x1.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    x2 = x2.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     if QK_NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
         w1 = tl.where(is_q, tl.load(qn_ptr + i, mask=i < HALF, other=0.0),
@@ -128,18 +158,18 @@ def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_
     tl.store(k_dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
     tl.store(k_dst + HALF + i, o2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
     v_src = row + NUM_KV_HEADS * HEAD_DIM  # value head j at column (NUM_HEADS + NUM_KV_HEADS + j) * D
-    v1 = tl.load(v_src + i, mask=kv_ok, other=0.0)
-    v2 = tl.load(v_src + HALF + i, mask=kv_ok, other=0.0)
+    v1 = _sum_planes(v_src, stride_qkv_s, i, kv_ok, S)
+    v2 = _sum_planes(v_src + HALF, stride_qkv_s, i, kv_ok, S)
     if HAS_BIAS:
         vb = bias_ptr + (h + NUM_KV_HEADS) * HEAD_DIM
-        v1 = v1.to(tl.float32) + tl.load(vb + i, mask=kv_ok, other=0.0).to(tl.float32)
-        v2 = v2.to(tl.float32) + tl.load(vb + HALF + i, mask=kv_ok, other=0.0).to(tl.float32)
+        v1 += tl.load(vb + i, mask=kv_ok, other=0.0).to(tl.float32)
+        v2 += tl.load(vb + HALF + i, mask=kv_ok, other=0.0).to(tl.float32)
     v_dst = v_cache_ptr + slot * stride_vc_s + j * stride_vc_h
     tl.store(v_dst + i, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
     tl.store(v_dst + HALF + i, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
 
 
-def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q heads, k heads, v heads
+def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q, k, v heads; or [S, T, ...] planes
                       positions: torch.Tensor,  # [T] int (any stride)
                       slot_mapping: torch.Tensor,  # [T] int (any stride); -1: do not write
                       cos: torch.Tensor,  # [max_positions, D] float32
@@ -152,16 +182,17 @@ def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q heads
                       k_norm: torch.Tensor | None = None,  # [D]
                       eps: float = 1e-6,
                       ) -> torch.Tensor:  # q [T, H, D] with (q-norm and) RoPE applied
-    """Split the fused QKV output (adding `bias` when given: the GEMM then runs without
-    it, which saves cuBLAS's separate bias-copy kernel at batch 1; the sum is rounded twice
-    instead of once), apply Qwen3 q/k RMSNorm (when given) and RoPE, write K and V into
-    the cache at `slot_mapping`; returns q."""
-    t = qkv.shape[0]
+    """Split the fused QKV output — the sum of its partial-sum planes plus `bias` (the
+    projection then runs without it), rounded once to the model dtype, as F.linear's bias
+    epilogue rounds — apply Qwen3 q/k RMSNorm (when given) and RoPE, write K and V into
+    the cache at `slot_mapping`; returns q in the cache dtype."""
+    qkv = _planes(qkv)
+    t = qkv.shape[1]
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("qkv_rope_write_kv: qkv and the caches must be contiguous in the last dim")
-    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, num_heads, head_dim, dtype=k_cache.dtype, device=qkv.device)
     kf = k_cache.view(-1, num_kv_heads, head_dim)
     vf = v_cache.view(-1, num_kv_heads, head_dim)
     qk_norm = q_norm is not None
@@ -169,36 +200,41 @@ def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q heads
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin,
         q_norm if qk_norm else cos, k_norm if qk_norm else cos,
         q, kf, vf,
-        qkv.stride(0), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
+        qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         float(eps),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=max(2, _next_pow2(num_heads + num_kv_heads)), HEAD_DIM=head_dim,
         HALF=head_dim // 2, HALF_PAD=max(16, _next_pow2(head_dim // 2)),
-        HAS_BIAS=bias is not None, QK_NORM=qk_norm,
+        S=qkv.shape[0], HAS_BIAS=bias is not None, QK_NORM=qk_norm,
         num_warps=4)
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xs, stride_x, stride_o,
+                     N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + N + cols, mask=ok, other=0.0).to(tl.float32)
+    g = _sum_planes(x_ptr + row * stride_x, stride_xs, cols, ok, S)
+    u = _sum_planes(x_ptr + row * stride_x + N, stride_xs, cols, ok, S)
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection output's rounding
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up columns
+def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up; or [S, T, 2 * I] planes
+             dtype: torch.dtype | None = None,  # output dtype (default: gate_up's)
              ) -> torch.Tensor:  # [T, I] silu(gate) * up
-    t, two_i = gate_up.shape
+    gu = _planes(gate_up)
+    s, t, two_i = gu.shape
     n = two_i // 2
-    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(t, n, dtype=dtype or gate_up.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(t, -(-n // block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                          N=n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(t, -(-n // block))](gu, out, gu.stride(0), gu.stride(1), out.stride(0),
+                                          N=n, BLOCK=block, S=s, num_warps=4)
     return out
 
 
@@ -206,8 +242,10 @@ class DecodeModel:
     """Decode forward over `EngineWeights` and a `PagedKVCache` (see module docstring)."""
 
     def __init__(self, arch: ModelArch, weights: EngineWeights, cos: torch.Tensor,
-                 sin: torch.Tensor):
-        """cos, sin: [max_positions, head_dim] float32 RoPE tables (model.rope_table)."""
+                 sin: torch.Tensor, *, planner: LinearPlanner | None = None):
+        """cos, sin: [max_positions, head_dim] float32 RoPE tables (model.rope_table).
+        planner: picks each projection's kernel per batch size (triton_linear.py); the
+        default times cuBLAS against Triton configs once per shape on the device."""
         if arch.head_dim % 2:
             raise ValueError(f"decode model needs an even head_dim, got {arch.head_dim}")
         self.arch = arch
@@ -215,6 +253,10 @@ class DecodeModel:
         self.cos = cos
         self.sin = sin
         self.scale = arch.head_dim ** -0.5
+        self.planner = planner if planner is not None else LinearPlanner()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear_partials(x, weight, self.planner.config(x, weight))
 
     @torch.no_grad()
     def forward(self,
@@ -229,13 +271,13 @@ class DecodeModel:
                 ) -> torch.Tensor:  # [B, vocab] float32
         a, w = self.arch, self.weights
         eps = a.rms_norm_eps
-        h = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
-        residual = h
-        y = rms_norm(h, w.layers[0].input_norm, eps)
+        residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
+        y = rms_norm(residual, w.layers[0].input_norm, eps)
+        h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
             if layer > 0:
                 y = rms_norm(h, lw.input_norm, eps, residual=residual)
-            qkv = F.linear(y, lw.qkv_weight)  # [B, (H + 2 KVH) * D]; bias added below
+            qkv = self._linear(y, lw.qkv_weight)  # [S, B, (H + 2 KVH) * D]; bias added below
             q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
                                   kv_cache.k[layer], kv_cache.v[layer],
                                   num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
@@ -243,12 +285,12 @@ class DecodeModel:
                                   k_norm=lw.k_norm, eps=eps)
             o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                 context_lens, scale=self.scale, num_splits=num_splits)
-            h = F.linear(o.view(o.shape[0], -1), lw.o_weight, lw.o_bias)
-            y = rms_norm(h, lw.post_attn_norm, eps, residual=residual)
-            h = F.linear(silu_mul(F.linear(y, lw.gate_up_weight)), lw.down_weight)
+            h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
+            y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
+            h = self._linear(silu_mul(self._linear(y, lw.gate_up_weight), dtype=y.dtype),
+                             lw.down_weight)
         y = rms_norm(h, w.final_norm, eps, residual=residual)
-        logits = F.linear(y, w.lm_head)  # [B, vocab] in the model dtype, as the reference
         if logits_out is None:
-            return logits.float()
-        logits_out.copy_(logits)
-        return logits_out
+            logits_out = torch.empty(y.shape[0], a.vocab_size, dtype=torch.float32, device=y.device)
+        # The LM head's output rounded to the model dtype, as the reference's, then float32.
+        return linear_into(y, w.lm_head, logits_out, self.planner.config(y, w.lm_head, split=False))

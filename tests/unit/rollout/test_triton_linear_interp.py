@@ -1,0 +1,107 @@
+"""The decode-shaped Triton linear (triton_linear.py) and its split-K partial-sum planes,
+consumed by the fused small kernels, == their PyTorch references; float32 on CPU through
+Triton's interpreter (the compiled kernels and bf16 run in tests/gpu/test_engine_gpu.py).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton interpreter tests run on CPU-only machines")
+
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_tlt.rollout.gpu_model import DecodeModel, qkv_rope_write_kv, rms_norm, silu_mul  # noqa: E402
+from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
+from megatron_tlt.rollout.model import InferenceModel, rope_table  # noqa: E402
+from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
+from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, candidate_configs,  # noqa: E402
+                                                linear_into, linear_partials)
+from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
+
+CONFIGS = [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=1),
+           LinearConfig("dot", block_m=32, block_n=32, block_k=64, splits=3),
+           LinearConfig("fma", block_m=1, block_n=4, block_k=64, splits=2),
+           LinearConfig("fma", block_m=1, block_n=8, block_k=128, splits=1)]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 33, 512), (17, 20, 130)])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_linear_partials_sum_to_the_product(m, n, k, cfg):
+    if cfg.kind == "fma" and m != 1:
+        with pytest.raises(ValueError, match="one row"):
+            linear_partials(torch.zeros(m, k), torch.zeros(n, k), cfg)
+        return
+    g = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    planes = linear_partials(x, w, cfg)
+    assert planes.shape == (cfg.splits, m, n) and planes.dtype == torch.float32
+    torch.testing.assert_close(planes.sum(0), x @ w.T, atol=5e-5, rtol=1e-5)
+    out = torch.full((m, n), float("nan"))
+    torch.testing.assert_close(linear_into(x, w, out, cfg), x @ w.T, atol=5e-5, rtol=1e-5)
+    # negative control: the weight with its K order reversed does not give the product
+    bad = linear_partials(x, w.flip(1), cfg)
+    assert (bad.sum(0) - x @ w.T).abs().max() > 1e-2
+
+
+def test_consumers_add_planes_and_bias_before_rounding():
+    """rms_norm, silu_mul and qkv_rope_write_kv given 3 planes == given their sum."""
+    g = torch.Generator().manual_seed(0)
+    planes = torch.randn(3, 4, 40, generator=g)
+    w = 1 + 0.1 * torch.randn(40, generator=g)
+    b = torch.randn(40, generator=g)
+    res = torch.randn(4, 40, generator=g)
+    r1, r2 = res.clone(), res.clone()
+    torch.testing.assert_close(rms_norm(planes, w, 1e-6, residual=r1, bias=b),
+                               rms_norm(planes.sum(0) + b, w, 1e-6, residual=r2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(r1, r2, atol=1e-6, rtol=1e-6)
+    gu = torch.randn(2, 3, 2 * 70, generator=g)
+    torch.testing.assert_close(silu_mul(gu), silu_mul(gu.sum(0)), atol=1e-6, rtol=1e-6)
+    heads, kvh, d = 6, 2, 16
+    cos, sin = rope_table(64, d, 10000.0)
+    qkv = torch.randn(2, 3, (heads + 2 * kvh) * d, generator=g)
+    bias = torch.randn((heads + 2 * kvh) * d, generator=g)
+    pos, slots = torch.tensor([0, 17, 63]), torch.tensor([5, -1, 9])
+    caches = [(torch.zeros(4, 4, kvh, d), torch.zeros(4, 4, kvh, d)) for _ in range(2)]
+    qa = qkv_rope_write_kv(qkv, pos, slots, cos, sin, *caches[0], num_heads=heads, num_kv_heads=kvh,
+                           head_dim=d, bias=bias)
+    qb = qkv_rope_write_kv(qkv.sum(0) + bias, pos, slots, cos, sin, *caches[1], num_heads=heads,
+                           num_kv_heads=kvh, head_dim=d)
+    torch.testing.assert_close(qa, qb, atol=1e-6, rtol=1e-6)
+    for x, y in zip(caches[0], caches[1]):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2]], ids=str)
+def test_decode_model_with_triton_linears_matches_inference_model(cfg):
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=1)
+    ref_model = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
+    fast = DecodeModel(arch, w, ref_model.cos, ref_model.sin, planner=LinearPlanner(fixed=cfg))
+    caches = [PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, block_size=4)
+              for _ in range(2)]
+    ids, pos = torch.tensor([3]), torch.tensor([5])
+    bt = torch.tensor([[2, 5, 0]])
+    slots = torch.tensor([5 * 4 + 1])
+    meta = AttentionMetadata(slot_mapping=slots, query_start=torch.arange(2), context_lens=pos + 1,
+                             block_tables=bt)
+    ref = ref_model.forward(ids, pos, caches[0], meta).logits
+    i32 = lambda t: t.to(torch.int32)  # noqa: E731
+    out = fast.forward(i32(ids), i32(pos), i32(slots), i32(bt), i32(pos + 1), caches[1], num_splits=2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(caches[1].k[1], caches[0].k[1], atol=1e-5, rtol=1e-5)
+
+
+def test_candidate_configs_and_cpu_planner():
+    cands = candidate_configs(1, 2048, 1536)
+    assert cands[0].kind == "cublas" and any(c.kind == "fma" for c in cands)
+    assert all(c.kind != "fma" for c in candidate_configs(8, 2048, 1536))
+    assert candidate_configs(128, 2048, 1536) == [candidate_configs(128, 2048, 1536)[0]]
+    x, w = torch.zeros(1, 8), torch.zeros(4, 8)
+    assert LinearPlanner().config(x, w).kind == "cublas"  # no timing on CPU
+    assert F.linear(x, w).shape == linear_partials(x, w, LinearPlanner().config(x, w))[0].shape
