@@ -176,7 +176,7 @@ class LinearPlanner:
     it, fills the cache. `fixed` forces one config everywhere (tests, A/B benchmarks).
     """
 
-    def __init__(self, *, fixed: LinearConfig | None = None, iters: int = 20):
+    def __init__(self, *, fixed: LinearConfig | None = None, iters: int = 16):
         self.fixed = fixed
         self.iters = iters
         self.plans: dict[tuple, tuple[LinearConfig, float]] = {}
@@ -204,16 +204,15 @@ class LinearPlanner:
         # Cycle through copies of the weight worth > 2x the L2 cache, as a decode step
         # does (the other layers' weights evict this one between its uses).
         nbytes = weight.numel() * weight.element_size()
-        ws = [weight] + [torch.empty_like(weight).normal_() for _ in range(min(31, (256 << 20) // nbytes))]
+        ws = [weight] + [torch.empty_like(weight).normal_() for _ in range(min(15, (256 << 20) // nbytes))]
         times: dict[str, float] = {}
         best = (CUBLAS, float("inf"))
         for cfg in candidate_configs(m, n, k):
             if cfg.splits > 1 and not key[4]:
                 continue
             try:
-                it = iter(range(1 << 62))
-                fn = lambda: linear_partials(xs, ws[next(it) % len(ws)], cfg)  # noqa: E731
-                us = _time_us(fn, self.iters)
+                us = _time_us(lambda i: linear_partials(xs, ws[i % len(ws)], cfg),  # noqa: B023
+                              self.iters)
             except Exception as e:  # a config that does not compile on this device
                 times[str(cfg)] = float("nan")
                 if cfg.kind == "cublas":
@@ -226,19 +225,29 @@ class LinearPlanner:
         return best
 
 
-def _time_us(fn, iters: int) -> float:
-    """Median microseconds per call over `iters` calls timed in groups of 5 (L2 is not
-    flushed: a weight larger than L2 is read from HBM anyway)."""
-    fn()
+def _time_us(call, n: int) -> float:
+    """Median microseconds of call(i), i = 0..n-1, replayed as one CUDA graph: kernel time
+    without the Python launch overhead (which would otherwise dominate a 3 us kernel and
+    favour whichever library launches fastest)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile / initialise outside the capture
+        call(0)
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            call(i)
+    graph.replay()
     ts = []
-    for _ in range(max(1, iters // 5)):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(5):
-            fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / 5)
+        ts.append(a.elapsed_time(b) * 1e3 / n)
+    del graph
     ts.sort()
     return ts[len(ts) // 2]
