@@ -234,7 +234,7 @@ def test_triton_linear_configs_match_float32_product(m, n, k):
     for cfg in candidate_configs(m, n, k)[1:]:
         planes = linear_partials(x, w, cfg)
         assert planes.shape == (cfg.splits, m, n), cfg
-        assert rel_err(planes.sum(0), ref) < 1e-5, cfg
+        assert rel_err(planes.sum(0), ref) < 5e-5, cfg  # float32 summation order (K up to 8960)
         out = torch.empty(m, n, dtype=torch.float32, device=CUDA)
         assert rel_err(linear_into(x, w, out, cfg), F.linear(x, w).float()) < 1e-2, cfg
     assert rel_err(linear_partials(x, w.flip(1), candidate_configs(m, n, k)[-1]).sum(0), ref) > 0.1
