@@ -20,12 +20,8 @@ Split-K ("flash decoding"): with few sequences the (sequence, KV head) grid is f
 smaller than the GPU, so the context is cut into `num_splits` contiguous chunks (a
 multiple of BLOCK_N, sized from each sequence's own context length inside the kernel, so
 the grid is static and CUDA-graph safe while lengths vary); each split writes an
-unnormalised partial output with its running max and sum, then bumps a per-(sequence,
-KV head, row tile) counter; the split that finishes last merges all of them in split
-order with the usual log-sum-exp rescaling and zeroes the counter. One kernel instead of
-two: at batch 1 the second launch cost as much as the attention itself (H200 profile,
-2.5 us vs 3.9 us per layer). `_combine_kernel` remains for `fused_combine=False`.
-`num_splits == 1` writes the output directly.
+unnormalised partial output with its running max and sum, and `_combine_kernel` merges
+them with the usual log-sum-exp rescaling. `num_splits == 1` writes the output directly.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -79,7 +75,6 @@ _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
-        lock_ptr,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -91,7 +86,7 @@ def _paged_attention_kernel(
         scale_log2, num_splits,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        SPLIT: tl.constexpr, MODE: tl.constexpr, FUSED_COMBINE: tl.constexpr):
+        SPLIT: tl.constexpr, MODE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -163,39 +158,11 @@ def _paged_attention_kernel(
         tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        po_rows = po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh + d[None, :]
-        tl.store(po_rows + split * stride_pos, acc, mask=row_ok[:, None] & d_ok[None, :])
-        ml = tok * stride_pmt + head * stride_pmh
-        tl.store(pm_ptr + ml + split, m_i, mask=row_ok)
-        tl.store(pl_ptr + ml + split, l_i, mask=row_ok)
-        if FUSED_COMBINE:
-            # The last split of this (sequence, KV head, row tile) to finish merges all
-            # splits (fixed order: deterministic) and resets the counter for the next call.
-            tl.debug_barrier()
-            lock = lock_ptr + (b * tl.num_programs(1) + kvh) * (tl.num_programs(2) // num_splits) + tile
-            done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for sp in range(0, num_splits):
-                    m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + sp, mask=row_ok,
-                                                      other=float("-inf"), cache_modifier=".cg"))
-                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-                l_tot = tl.zeros([BLOCK_M], tl.float32)
-                o_tot = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-                for sp in range(0, num_splits):
-                    m_s = tl.load(pm_ptr + ml + sp, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    l_s = tl.load(pl_ptr + ml + sp, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    live = row_ok & (l_s > 0)
-                    w_s = tl.where(live, tl.exp2(m_s - m_max), 0.0)
-                    o_s = tl.load(po_rows + sp * stride_pos, mask=live[:, None] & d_ok[None, :],
-                                  other=0.0, cache_modifier=".cg")
-                    l_tot += w_s * l_s
-                    o_tot += w_s[:, None] * o_s
-                out = o_tot / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-                tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
+                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        ml = tok * stride_pmt + head * stride_pmh + split
+        tl.store(pm_ptr + ml, m_i, mask=row_ok)
+        tl.store(pl_ptr + ml, l_i, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -237,18 +204,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-_NUM_LOCKS = 1 << 16
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters for the fused split-K combine, one buffer per device for the
-    life of the process (CUDA graphs hold its address; every kernel leaves it zeroed)."""
-    if device not in _LOCKS:
-        _LOCKS[device] = torch.zeros(_NUM_LOCKS, dtype=torch.int32, device=device)
-    return _LOCKS[device]
-
-
 def block_n_for(dtype: torch.dtype) -> int:
     """Keys per inner iteration: 64 for 16-bit caches, 32 for float32 (shared memory)."""
     return 64 if torch.empty((), dtype=dtype).element_size() <= 2 else 32
@@ -282,16 +237,12 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
                     tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
                     num_splits: int = 1,
                     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
-                    fused_combine: bool = True,
                     ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Attention of the new tokens over the paged cache (their K/V already written).
 
     No host synchronisation: everything data-dependent is read inside the kernel, so a
     call with static shapes (decode) can be captured in a CUDA graph. `max_query_len`
     (host int) bounds the new tokens per sequence; `num_splits` is the split-K factor.
-    With splits, the last program of each (sequence, KV head, row tile) merges them
-    (`fused_combine`, one kernel; the counters live in a per-device buffer); otherwise a
-    second kernel does.
     """
     t, num_heads, head_dim = q.shape
     nb, page, kvh, hd = k_cache.shape
@@ -347,10 +298,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     else:
         po = pm = pl = out  # unused
     grid = (bsz, kvh, row_tiles * num_splits)
-    fused = fused_combine and num_splits > 1 and bsz * kvh * row_tiles <= _NUM_LOCKS
-    locks = _split_counters(q.device) if fused else context_lens
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, locks,
+        q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -362,8 +311,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
         float(scale) * _LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, FUSED_COMBINE=fused, num_warps=4, num_stages=2)
-    if num_splits > 1 and not fused:
+        SPLIT=num_splits > 1, MODE=mode, num_warps=4, num_stages=2)
+    if num_splits > 1:
         _combine_kernel[(t, num_heads)](
             po, pm, pl, out, po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             out.stride(0), out.stride(1), num_splits,
