@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One full GRPO step per rollout.spec (off, ngram, eagle) of the benchmark-scale target on
+# one H200, with the phase breakdown of each: issue "RL loop", H200 acceptance item.
+#   bash scripts/h200_rl_step.sh OUT_DIR [SFT_STEPS]
+# Stages (each skipped when its output exists, so the script can be re-run after a
+# timeout on the same machine):
+#   1. target: examples/sft_bench_1p5b.yaml for SFT_STEPS steps (default 20; the full
+#      recipe is 120 steps / 447 s), exported to OUT_DIR/sft/hf;
+#   2. drafter: offline EAGLE drafter trained on the target's own greedy responses;
+#   3. one RL step per spec mode (examples/rl_step_1p5b_h200.yaml), metrics.jsonl each;
+#   4. OUT_DIR/rl_step_h200.json: the three steps' metrics side by side.
+set -euo pipefail
+OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
+SFT_STEPS=${2:-20}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+t0=$(date +%s)
+if [ ! -f "$OUT/sft/hf/config.json" ]; then
+  echo "[h200_rl_step] 1/3 target: SFT $SFT_STEPS steps"
+  $PY -m megatron_tlt sft --config examples/sft_bench_1p5b.yaml train.out_dir="$OUT/sft" \
+      train.steps="$SFT_STEPS" optim.lr_warmup_steps=5 sft.eval_interval=0 sft.progress=false \
+      2>&1 | tail -n 15
+  rm -rf "$OUT/sft/checkpoints"  # ~21 GB of model + optimizer state; the HF export is kept
+fi
+if [ ! -f "$OUT/drafter/config.json" ]; then
+  echo "[h200_rl_step] 2/3 drafter: offline EAGLE training on the target's responses"
+  $PY -m megatron_tlt.spec.train_drafter --target "$OUT/sft/hf" --tasks arith,sort \
+      --num-prompts 256 --max-new-tokens 256 --draft-vocab 128 --steps 150 \
+      --batch-tokens 8192 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
+fi
+for spec in off ngram eagle; do
+  if [ ! -f "$OUT/rl_$spec/metrics.jsonl" ]; then
+    echo "[h200_rl_step] 3/3 RL step, rollout.spec=$spec"
+    extra=()
+    [ "$spec" = eagle ] && extra=(rollout.drafter="$OUT/drafter")
+    $PY -m megatron_tlt train --config examples/rl_step_1p5b_h200.yaml \
+        model.hf_path="$OUT/sft/hf" rollout.spec=$spec train.out_dir="$OUT/rl_$spec" \
+        "${extra[@]}" 2>&1 | tail -n 12
+    rm -rf "$OUT/rl_$spec/checkpoints" "$OUT/rl_$spec/init_mcore"  # disk: ~24 GB per run
+  fi
+done
+$PY - "$OUT" "$SFT_STEPS" <<'PYEOF'
+import json, os, subprocess, sys
+out, sft_steps = sys.argv[1], int(sys.argv[2])
+rev = os.environ.get("MEGATRON_TLT_GIT_REV") or subprocess.run(
+    ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+report = {"command": f"bash scripts/h200_rl_step.sh OUT_DIR {sft_steps}", "git_revision": rev,
+          "config": "examples/rl_step_1p5b_h200.yaml", "sft_steps": sft_steps, "steps": {}}
+for spec in ("off", "ngram", "eagle"):
+    path = os.path.join(out, f"rl_{spec}", "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            report["steps"][spec] = [json.loads(line) for line in f if line.strip()]
+with open(os.path.join(out, "rl_step_h200.json"), "w") as f:
+    json.dump(report, f, indent=1)
+for spec, rows in report["steps"].items():
+    m = rows[-1] if rows else {}
+    print(spec, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in m.items()
+                 if k.startswith(("t_", "reward_mean", "tokens_per_s", "len_p", "accept"))})
+PYEOF
+echo "[h200_rl_step] done in $(( $(date +%s) - t0 )) s"
