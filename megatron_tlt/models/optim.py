@@ -12,7 +12,9 @@ Megatron-Core's distributed optimizer refuses CPU tensors, and its DDP needs
   over the model-parallel group counting each TP shard once (duplicated norm weights
   on one TP rank only; the pipeline copy of a tied embedding once).
 - `MegatronAdamW` (GPU): Megatron's DDP + distributed optimizer (ZeRO-1 sharding of
-  the fp32 master weights and Adam state over data parallel).
+  the fp32 master weights and Adam state over data parallel). Megatron's own
+  `state_dict()` leaves that sharded state out (it saves it separately); ours holds it,
+  this rank's shard only, so the Checkpointer's per-rank files resume exactly.
 
 Both: AdamW (decoupled weight decay), no weight decay on 1-D parameters (norms,
 biases), as Megatron does. tests/gpu/test_optim_gpu.py shows they give the same
@@ -27,6 +29,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_tlt.errors import CheckpointError
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -145,8 +149,23 @@ class LocalAdamW(ActorOptimizer):
             g["lr"] = lr
 
 
+MEGATRON_STATE_FORMAT = "megatron_tlt.megatron_adamw/1"
+
+
 class MegatronAdamW(ActorOptimizer):
-    """Megatron DDP + distributed optimizer (GPU only). Wraps `actor.model` in DDP."""
+    """Megatron DDP + distributed optimizer (GPU only). Wraps `actor.model` in DDP.
+
+    `state_dict()` is this rank's whole optimizer state, on the CPU and readable by
+    `torch.load(weights_only=True)`: per distributed optimizer, Megatron's `state_dict()`
+    (param-group hyperparameters, step, grad scaler) plus the parameter state that
+    Megatron keeps out of it: this data-parallel rank's shard of the fp32 master
+    weights, exp_avg, exp_avg_sq (and torch AdamW's per-parameter step), in Megatron's
+    "dp_reshardable" (bucket-space) layout. Per-rank shards, no gather: no collective
+    at save or load, no full copy on DP rank 0; the price is that a checkpoint loads
+    only at the same DP layout (the Checkpointer already requires the same world/TP/PP,
+    and Megatron checks the bucket sizes). Load after the model weights and
+    `opt.reload_model_params()`, as the Checkpointer does.
+    """
 
     def __init__(self, actor, s: OptimSettings):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -180,16 +199,99 @@ class MegatronAdamW(ActorOptimizer):
         ok, norm, _ = self.opt.step()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), "skipped": not ok}
 
+    def _dist_opts(self) -> list:
+        """The DistributedOptimizers behind `self.opt`: megatron-core 0.16 returns a
+        ChainedOptimizer (one for a dense model; MoE would add one for the experts)."""
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
     def state_dict(self) -> dict:
-        return self.opt.state_dict()
+        parts = []
+        for o in self._dist_opts():
+            if getattr(o, "is_stub_optimizer", False):  # no trainable parameters on this rank
+                parts.append(None)
+                continue
+            part = {"dp_rank": o.data_parallel_group.rank(), "dp_size": o.data_parallel_group.size()}
+            if not o.optimizer.state:
+                # Never stepped: no moments yet, and Megatron's state_dict() asserts on the
+                # empty state (torch AdamW). Keep the hyperparameters only.
+                part["megatron"] = None
+                part["param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                        for g in o.optimizer.param_groups]
+            else:
+                sd = _to_cpu(o.state_dict())
+                sd["param_state"] = _param_state_cpu(o)
+                sd["param_state_sharding_type"] = "dp_reshardable"
+                part["megatron"] = sd
+            parts.append(part)
+        return {"format": MEGATRON_STATE_FORMAT, "optimizers": parts}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+        fmt = state.get("format") if isinstance(state, dict) else None
+        if fmt != MEGATRON_STATE_FORMAT:
+            raise CheckpointError(
+                f"optimizer state format is {fmt!r}, expected {MEGATRON_STATE_FORMAT!r} (a state written "
+                f"by Megatron's plain state_dict() lacks the Adam moments and fp32 master weights)")
+        opts, parts = self._dist_opts(), state["optimizers"]
+        if len(parts) != len(opts):
+            raise CheckpointError(f"optimizer state holds {len(parts)} distributed optimizers, this "
+                                  f"model has {len(opts)}")
+        for o, part in zip(opts, parts):
+            if part is None or getattr(o, "is_stub_optimizer", False):
+                continue
+            here = (o.data_parallel_group.rank(), o.data_parallel_group.size())
+            if (part["dp_rank"], part["dp_size"]) != here:
+                raise CheckpointError(
+                    f"optimizer state of data-parallel rank {part['dp_rank']} of {part['dp_size']} "
+                    f"cannot load on rank {here[0]} of {here[1]} (the shards are per rank)")
+            if part["megatron"] is None:
+                for g, saved in zip(o.optimizer.param_groups, part["param_groups"]):
+                    g.update(saved)
+                continue
+            # Megatron restores the param groups and step, allocates the state and copies
+            # each shard in (distrib_optimizer.py: load_state_dict -> "dp_reshardable" ->
+            # load_parameter_state_from_dp_reshardable). That loader is not under no_grad, and
+            # the master "param" of an fp32 parameter is a view of it (requires_grad): the
+            # in-place copy fails without no_grad.
+            with torch.no_grad():
+                o.load_state_dict(part["megatron"])
+            # ...giving every parameter one shared `step` tensor (torch AdamW, no TE/apex);
+            # AdamW adds 1 to each parameter's step, so a shared one would advance once per
+            # parameter and change the bias correction.
+            for s in o.optimizer.state.values():
+                if torch.is_tensor(s.get("step")):
+                    s["step"] = s["step"].clone()
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
             g["weight_decay"] = self.settings.weight_decay * g.get("wd_mult", 1.0)
+
+
+def _to_cpu(x):
+    """A copy of a nested state with every tensor on the CPU (its own, compact storage)."""
+    if torch.is_tensor(x):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def _param_state_cpu(o) -> dict:
+    """This DP rank's shard of the master weights and Adam state of DistributedOptimizer `o`:
+    {"per_bucket_numel", "per_bucket_numel_unpadded", gbuf_idx: {(param_dtype, grad_dtype):
+    [bucket: [per parameter {"param", "exp_avg", "exp_avg_sq"[, "step"], "gbuf_local_start",
+    "gbuf_local_end", "padding"}]]}}, as load_parameter_state_from_dp_reshardable reads it."""
+    state = _to_cpu(o.get_parameter_state_dp_reshardable())
+    for key, per_dtype in state.items():
+        if not isinstance(key, int):
+            continue
+        for buckets in per_dtype.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    entry["padding"] = False  # the loader skips padding entries; this layout has none
+    return state
 
 
 def build_optimizer(actor, s: OptimSettings, kind: Optional[str] = None) -> ActorOptimizer:
