@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_tlt.errors import ConfigError, TLTError
+from megatron_tlt.errors import CheckpointError, ConfigError, TLTError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,19 @@ def _percentiles(xs: list[int]) -> dict:
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
     return {"len_p50": pick(0.5), "len_p90": pick(0.9), "len_p99": pick(0.99), "len_max": s[-1],
             "len_mean": sum(s) / len(s)}
+
+
+def check_data(cfg) -> None:
+    """The data settings that can be checked without a model: before any work starts."""
+    path = cfg.data.path
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        what = "is a directory, not a file" if os.path.isdir(path) else "not found"
+        raise ConfigError(f"data.path {path!r} {what}")
+    if cfg.rl.reward is None:
+        raise ConfigError(f"data.path ({path!r}) needs rl.reward (a registered reward or 'package.module:function'); "
+                          "it is null")
 
 
 @dataclasses.dataclass
@@ -64,6 +77,7 @@ class RLRun:
         from megatron_tlt.models.actor import Actor
         from megatron_tlt.models.optim import OptimSettings, build_optimizer
 
+        check_data(cfg)
         self.cfg = cfg
         par = cfg.parallel
         mcore.init_parallel(par.tp, par.pp, seed=cfg.train.seed)
@@ -113,7 +127,10 @@ class RLRun:
         self.data_pos = 0
         path = self.ckpt.resolve(cfg.train.resume)
         if path is not None:
-            state = self.ckpt.load(path, self.actor, self.optimizer)
+            try:
+                state = self.ckpt.load(path, self.actor, self.optimizer)
+            except CheckpointError as e:
+                raise CheckpointError(f"train.resume={cfg.train.resume}: {e}") from None
             self.step, self.data_pos = int(state["step"]), int(state["data_position"])
         self.ledger = os.path.join(self.out_dir, "ledger.jsonl")
         if self.rank == 0:
@@ -172,7 +189,7 @@ class RLRun:
         if self.cfg.model.mcore_ckpt:
             return self.cfg.model.mcore_ckpt
         dst = os.path.join(self.out_dir, "init_mcore")
-        if self.rank == 0 and not os.path.isfile(os.path.join(dst, "tlt_model.json")):
+        if self.rank == 0 and not _converted_from(dst, self.model_dir):
             # Conversion builds its own world-of-one model; do it in the rank-0 process
             # before the others read it.
             _convert_in_place(self.model_dir, dst)
@@ -378,16 +395,17 @@ class RLRun:
     def train(self) -> None:
         cfg = self.cfg
         total = cfg.train.steps
-        bar = tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=self.rank != 0)
-        while self.step < total:
-            m = self.run_step()
-            self.metrics.log(self.step, m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=m.get("len_p50"), loss=f"{m.get('pg_loss', 0):.3f}")
-            if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == total:
-                self.ckpt.save(self.step, self.actor, self.optimizer,
-                               {"data_position": self.data_pos}, tokenizer_from=self.model_dir)
-        bar.close()
+        # The bar is closed before an error propagates, so the CLI's error line comes last.
+        with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=self.rank != 0) as bar:
+            while self.step < total:
+                m = self.run_step()
+                self.metrics.log(self.step, m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=m.get("len_p50"),
+                                loss=f"{m.get('pg_loss', 0):.3f}")
+                if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == total:
+                    self.ckpt.save(self.step, self.actor, self.optimizer,
+                                   {"data_position": self.data_pos}, tokenizer_from=self.model_dir)
         self.metrics.close()
         if self.rank == 0:
             print(f"[train] done: {self.step} steps; metrics {self.metrics.path}; checkpoints {self.ckpt.root}")
@@ -410,6 +428,16 @@ def _truncate_jsonl(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+
+
+def _converted_from(mc_dir: str, hf_dir: str) -> bool:
+    """Whether `mc_dir` is a complete conversion of `hf_dir` (a cached conversion of
+    another model, e.g. after model.hf_path changed, must not be reused)."""
+    meta = os.path.join(mc_dir, "tlt_model.json")
+    if not os.path.isfile(meta):
+        return False
+    with open(meta) as f:
+        return json.load(f).get("converted_from") == os.path.abspath(hf_dir)
 
 
 def _convert_in_place(hf_dir: str, dst: str) -> None:

@@ -1,0 +1,44 @@
+"""Checks the RL loop runs before any work starts, its conversion cache rule, and the test
+rewards its integration tests rely on."""
+
+import json
+
+import pytest
+
+from megatron_tlt.config import load_config
+from megatron_tlt.errors import ConfigError
+from megatron_tlt.rl.loop import _converted_from, check_data
+from megatron_tlt.testing import rewards
+
+
+def test_check_data_names_the_field_and_value(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "p", "answer": "a"}\n')
+    check_data(load_config(None, [f"data.path={data}", "rl.reward=arith"]))
+    check_data(load_config(None, []))  # synthetic tasks: nothing to check here
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ConfigError) as e:
+        check_data(load_config(None, [f"data.path={missing}", "rl.reward=arith"]))
+    assert str(e.value) == f"data.path {str(missing)!r} not found"
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        check_data(load_config(None, [f"data.path={tmp_path}", "rl.reward=arith"]))
+    with pytest.raises(ConfigError, match=r"data.path \(.*prompts.jsonl'\) needs rl.reward .*; it is null"):
+        check_data(load_config(None, [f"data.path={data}"]))
+
+
+def test_cached_conversion_is_reused_only_for_its_source(tmp_path):
+    hf, other, mc = tmp_path / "hf", tmp_path / "other", tmp_path / "init_mcore"
+    assert not _converted_from(str(mc), str(hf))  # nothing cached yet
+    mc.mkdir()
+    (mc / "tlt_model.json").write_text(json.dumps({"converted_from": str(hf)}))
+    assert _converted_from(str(mc), str(hf))
+    assert not _converted_from(str(mc), str(other))
+
+
+def test_raising_reward_raises_only_on_its_answer(monkeypatch):
+    monkeypatch.setenv(rewards.RAISE_ON_ANSWER_ENV, "a3")
+    assert rewards.digit_fraction_or_raise("12ab", "a2") == 0.5
+    with pytest.raises(ValueError, match="test reward refuses answer 'a3'"):
+        rewards.digit_fraction_or_raise("12ab", "a3")
+    assert rewards.distinct_fraction("abab", "") == 0.5 and rewards.distinct_fraction("", "") == 0.0
+    assert rewards.many_distinct_chars("abcdefgh", "") == 1.0 and rewards.many_distinct_chars("abababab", "") == 0.0
