@@ -86,6 +86,16 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, progress: b
     return out_dir
 
 
+def is_conversion_of(mcore_dir: str, hf_dir: str) -> bool:
+    """Whether `mcore_dir` is a complete `hf_to_mcore` conversion of `hf_dir` (a cached
+    conversion of another model, e.g. after model.hf_path changed, must not be reused)."""
+    meta = os.path.join(mcore_dir, "tlt_model.json")
+    if not os.path.isfile(meta):
+        return False
+    with open(meta) as f:
+        return json.load(f).get("converted_from") == os.path.abspath(hf_dir)
+
+
 def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, progress: bool = True) -> str:
     from safetensors.torch import save_file
 

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from megatron_tlt.config import Config
+from megatron_tlt.convert import is_conversion_of
 from megatron_tlt.data.packing import TokenizedSample, fits, pack, pack_all, tokenize_sample
 from megatron_tlt.errors import ConfigError, TLTError
 
@@ -203,14 +204,6 @@ def _init_source(cfg: Config, resuming: bool) -> tuple[object, Optional[str], Op
     return arch_from_config(cfg), None, None
 
 
-def _converted(dst: str, hf_dir: str) -> bool:
-    meta = os.path.join(dst, "tlt_model.json")
-    if not os.path.isfile(meta):
-        return False
-    with open(meta) as f:
-        return json.load(f).get("converted_from") == os.path.abspath(hf_dir)
-
-
 # ---- distributed helpers ---------------------------------------------------------------
 
 def _reduce_sum(values: list[float], contribute: bool) -> list[float]:
@@ -357,7 +350,7 @@ def main(cfg: Config) -> int:
                           "TransformerEngine layer spec ignores it: set model.use_te=false (or sft.pack=false)")
 
     created_dist = not dist.is_initialized()
-    if convert_from is not None and not _converted(load_dir, convert_from):
+    if convert_from is not None and not is_conversion_of(load_dir, convert_from):
         from megatron_tlt.convert import hf_to_mcore
 
         hf_to_mcore(convert_from, load_dir, p.tp, p.pp, progress=int(os.environ.get("RANK", "0")) == 0)

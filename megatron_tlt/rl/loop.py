@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_tlt.convert import is_conversion_of
 from megatron_tlt.errors import CheckpointError, ConfigError, TLTError
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class RLRun:
         if self.cfg.model.mcore_ckpt:
             return self.cfg.model.mcore_ckpt
         dst = os.path.join(self.out_dir, "init_mcore")
-        if self.rank == 0 and not _converted_from(dst, self.model_dir):
+        if self.rank == 0 and not is_conversion_of(dst, self.model_dir):
             # Conversion builds its own world-of-one model; do it in the rank-0 process
             # before the others read it.
             _convert_in_place(self.model_dir, dst)
@@ -428,16 +429,6 @@ def _truncate_jsonl(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
-
-
-def _converted_from(mc_dir: str, hf_dir: str) -> bool:
-    """Whether `mc_dir` is a complete conversion of `hf_dir` (a cached conversion of
-    another model, e.g. after model.hf_path changed, must not be reused)."""
-    meta = os.path.join(mc_dir, "tlt_model.json")
-    if not os.path.isfile(meta):
-        return False
-    with open(meta) as f:
-        return json.load(f).get("converted_from") == os.path.abspath(hf_dir)
 
 
 def _convert_in_place(hf_dir: str, dst: str) -> None:

@@ -7,7 +7,8 @@ import pytest
 
 from megatron_tlt.config import load_config
 from megatron_tlt.errors import ConfigError
-from megatron_tlt.rl.loop import _converted_from, check_data
+from megatron_tlt.convert import is_conversion_of
+from megatron_tlt.rl.loop import check_data
 from megatron_tlt.testing import rewards
 
 
@@ -28,11 +29,11 @@ def test_check_data_names_the_field_and_value(tmp_path):
 
 def test_cached_conversion_is_reused_only_for_its_source(tmp_path):
     hf, other, mc = tmp_path / "hf", tmp_path / "other", tmp_path / "init_mcore"
-    assert not _converted_from(str(mc), str(hf))  # nothing cached yet
+    assert not is_conversion_of(str(mc), str(hf))  # nothing cached yet
     mc.mkdir()
     (mc / "tlt_model.json").write_text(json.dumps({"converted_from": str(hf)}))
-    assert _converted_from(str(mc), str(hf))
-    assert not _converted_from(str(mc), str(other))
+    assert is_conversion_of(str(mc), str(hf))
+    assert not is_conversion_of(str(mc), str(other))
 
 
 def test_raising_reward_raises_only_on_its_answer(monkeypatch):
