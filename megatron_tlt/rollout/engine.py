@@ -39,8 +39,8 @@ from megatron_tlt.rollout.attention import AttentionMetadata, make_backend
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
-from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, draw_exponential,
-                                           make_generator, sample)
+from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, exponential_noise,
+                                           make_noise_stream, sample)
 from megatron_tlt.rollout.scheduler import Scheduler, Sequence
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -198,7 +198,7 @@ class RolloutEngine:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         return Sequence(seq_id=next(self._seq_ids), request=req, index=index, token_ids=ids,
                         prompt_len=len(ids),
-                        generator=make_generator(seed, req.prompt_id, req.sample_index),
+                        rng=make_noise_stream(seed, req.prompt_id, req.sample_index),
                         stop=StopChecker(params, self.eos_token_ids, self.detokenize),
                         policy_version=self.weights.version)
 
@@ -339,25 +339,32 @@ class RolloutEngine:
                     self.append_token(seq, token_list[i], lps[i], 0.0)
                 return tokens
         b, v = logits.shape
-        temps, top_k, top_p, noise = [], [], [], []
+        temps, top_k, top_p, rows, keys, draws = [], [], [], [], [], []
         banned = None
         for i, seq in enumerate(seqs):
             p = seq.request.sampling_params
             temps.append(float(p.temperature))
             top_k.append(int(p.top_k))
             top_p.append(float(p.top_p))
-            if p.temperature > 0:
-                noise.append(draw_exponential(seq.generator, v))  # the request's one draw
-            else:
-                noise.append(torch.ones(v))
+            if p.temperature > 0:  # the request's one draw, made below with the others
+                rows.append(i)
+                keys.append(seq.rng.key)
+                draws.append(seq.rng.take())
             ban = seq.stop.banned_ids(len(seq.output_ids))
             if ban:
                 if banned is None:
                     banned = torch.zeros(b, v, dtype=torch.bool)
                 banned[i, list(ban)] = True
         dev = logits.device
+        noise = torch.ones(b, v, dtype=torch.float32, device=dev)  # greedy rows: unused
+        if rows:
+            drawn = exponential_noise(torch.tensor(keys), torch.tensor(draws), v, dev)
+            if len(rows) == b:
+                noise = drawn
+            else:
+                noise[torch.tensor(rows, device=dev)] = drawn
         out = sample(logits, torch.tensor(temps, device=dev), torch.tensor(top_k, device=dev),
-                     torch.tensor(top_p, device=dev), torch.stack(noise).to(dev),
+                     torch.tensor(top_p, device=dev), noise,
                      None if banned is None else banned.to(dev))
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist()

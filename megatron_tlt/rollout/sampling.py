@@ -7,7 +7,7 @@ Definitions (used by every caller, the trainer included):
   distribution (keep the smallest prefix of the sorted distribution whose mass reaches
   top_p; the most likely token is always kept) -> sample.
 - Sampling is the *exponential race*: token = argmax_i p_i / E_i with E_i ~ Exp(1), one
-  [vocab] draw per sampled token from the request's own generator. This equals a draw
+  [vocab] draw per sampled token from the request's own noise stream. This equals a draw
   from p, needs no host sync, and takes its noise as a tensor, so a kernel can consume
   the same noise. Temperature 0 is greedy: argmax of the (banned) logits, ties -> lowest
   id; it consumes no randomness.
@@ -16,9 +16,13 @@ Definitions (used by every caller, the trainer included):
   what the trainer recomputes from the policy. For T = 0 it is log_softmax(logits)
   (T = 1). `processed_logprobs` is the log-probability under the distribution actually
   sampled from (after ban/top-k/top-p; 0.0 for greedy).
-- Per-request generators: `torch.Generator` seeded from (seed, prompt id, sample index)
-  through BLAKE2b, so the same seed gives the same noise whatever else is in the batch
-  and across processes. A preempted request keeps its generator; recompute draws nothing.
+- Per-request noise streams (`NoiseStream`): a key from (seed, prompt id, sample index)
+  through BLAKE2b and a draw counter; draw d is SplitMix64 of (key, d, index), computed
+  on the device that needs it. The same seed gives the same noise whatever else is in
+  the batch, across processes and devices (same bits; the float32 Exp(1) values may
+  differ in the last bit between CPU and GPU `log`). A preempted request keeps its
+  stream; recompute draws nothing. (Until 2026-12 this was one CPU torch.Generator per
+  request: 151,936 CPU draws per request per token stalled a 256-sample GPU rollout.)
 - Stop: a stop token (eos ids of the engine plus `stop_token_ids`) or a stop string ends a
   request only once `min_new_tokens` tokens exist; the stop token / the token completing
   the stop string is kept in the output. Stop strings are matched on the decoded tail of
@@ -92,14 +96,88 @@ def request_seed(seed: int, prompt_id, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
-def make_generator(seed: int, prompt_id, sample_index: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(request_seed(seed, prompt_id, sample_index))
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def draw_exponential(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
-    """One [vocab] draw of Exp(1) noise, clamped away from 0 so p / E is never 0/0."""
-    e = torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
-    return e.clamp_min_(torch.finfo(torch.float32).tiny)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def noise_bits(keys: torch.Tensor,  # [B] int64: per-request stream keys
+               draws: torch.Tensor,  # [B] int64: the draw number within each stream
+               n: int, device: torch.device | str) -> torch.Tensor:  # [B, n] int64
+    """64 random bits per (request, draw, index): SplitMix64 of the stream position, a pure
+    function of its inputs, computed where `device` is (same bits on CPU and GPU)."""
+    keys = keys.to(device=device, dtype=torch.int64)
+    draws = draws.to(device=device, dtype=torch.int64)
+    row = _mix64(keys + (draws + 1) * _GOLDEN)  # [B]
+    idx = torch.arange(1, n + 1, device=device, dtype=torch.int64) * _GOLDEN
+    return _mix64(row[:, None] + idx[None, :])
+
+
+def exponential_noise(keys: torch.Tensor, draws: torch.Tensor, n: int,
+                      device: torch.device | str) -> torch.Tensor:  # [B, n] float32
+    """Exp(1) noise: -log(U) with U = (53 random bits + 1/2) / 2^53 in (0, 1), in float64,
+    rounded to float32 and clamped away from 0 (so p / E is never 0/0)."""
+    u = (_srl(noise_bits(keys, draws, n, device), 11).double() + 0.5) * 2.0 ** -53
+    return (-torch.log(u)).float().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def uniform_noise(keys: torch.Tensor, draws: torch.Tensor, n: int,
+                  device: torch.device | str) -> torch.Tensor:  # [B, n] float32
+    """U(0, 1) noise with 24 random bits: (bits + 1/2) / 2^24, exact in float32."""
+    return (_srl(noise_bits(keys, draws, n, device), 40).float() + 0.5) * 2.0 ** -24
+
+
+class NoiseStream:
+    """A request's randomness: a key and a count of draws taken. Draw d of the stream is
+    a pure function of (key, d) (`noise_bits`), so the same seed gives the same noise
+    whatever else is in the batch, on any device, and a batch of requests draws in one
+    vectorised call on the GPU (`RolloutEngine.sample_and_append`) instead of one CPU
+    generator call per request and token."""
+
+    def __init__(self, key: int):
+        self.key = int(key)
+        self.draws = 0
+
+    def take(self) -> int:
+        """Reserve the next draw number (callers drawing in a batch use this)."""
+        d = self.draws
+        self.draws += 1
+        return d
+
+    def _args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([self.key]), torch.tensor([self.take()])
+
+    def exponential(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:  # [n]
+        return exponential_noise(*self._args(), n, device)[0]
+
+    def uniform(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:  # [n]
+        return uniform_noise(*self._args(), n, device)[0]
+
+
+def make_noise_stream(seed: int, prompt_id, sample_index: int) -> NoiseStream:
+    return NoiseStream(request_seed(seed, prompt_id, sample_index))
+
+
+def draw_exponential(stream: NoiseStream, vocab_size: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """One [vocab] draw of Exp(1) noise from the request's stream."""
+    return stream.exponential(vocab_size, device)
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ import torch
 
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.request import Request
-from megatron_tlt.rollout.sampling import StopChecker
+from megatron_tlt.rollout.sampling import NoiseStream, StopChecker
 
 
 class SeqStatus(enum.Enum):
@@ -47,7 +47,8 @@ class Sequence:
     """Position in the `generate` batch (results come back in request order)."""
     token_ids: list[int]
     prompt_len: int
-    generator: torch.Generator
+    rng: NoiseStream
+    """The request's randomness (sampling.py); kept across preemption."""
     stop: StopChecker
     policy_version: int
     num_computed: int = 0

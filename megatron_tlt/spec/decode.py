@@ -31,7 +31,7 @@ Lossless and reproducible:
 - logprobs follow the engine's definition (sampling.py): log_softmax(logits / T) at the
   node the emitted token was verified at (T = 1 for greedy); processed_logprobs are
   log target_probs (0.0 for greedy).
-- Randomness comes only from the request's generator, drawn in a fixed order per step:
+- Randomness comes only from the request's noise stream, drawn in a fixed order per step:
   draft sampling noise (sampled chains: one [draft_vocab] Exp(1) draw per level), then
   coins [num_nodes] U[0,1), then exp_noise [vocab] Exp(1). Same seed -> same tokens.
   A fallback step is a plain step (one [vocab] draw); when the drafter failed after
@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from megatron_tlt.errors import ConfigError
-from megatron_tlt.rollout.sampling import draw_exponential
+from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
 from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
@@ -319,11 +319,11 @@ class SpecDecoder:
                 smd = sm.to(dev)
                 probs = process_logits(logits[smd], temp, top_k, top_p)
                 coins = torch.full((sm.numel(), q), 0.5)
-                noise = torch.empty(sm.numel(), vocab)
                 for j, i in enumerate(sm.tolist()):
-                    gen = seqs[i].generator
-                    coins[j, :batch.num_nodes[i]] = torch.rand(batch.num_nodes[i], generator=gen)
-                    noise[j] = draw_exponential(gen, vocab)
+                    coins[j, :batch.num_nodes[i]] = seqs[i].rng.uniform(batch.num_nodes[i])
+                streams = [seqs[i].rng for i in sm.tolist()]
+                noise = exponential_noise(torch.tensor([r.key for r in streams]),
+                                          torch.tensor([r.take() for r in streams]), vocab, dev)
                 dp = None
                 if batch.draft_probs is not None:
                     dp = batch.draft_probs[sm].to(dev).contiguous()

@@ -348,7 +348,7 @@ class EagleProposer(Drafter):
     Features observed while the sequence does not speculate (SD off, prefill) wait until
     its next speculative step, or are consumed eagerly once more than `max_pending` pile up.
     Temperature 0: top-k by log_softmax; temperature > 0: chains sample each token from
-    the processed draft distribution (noise from the request's generator; draft_probs
+    the processed draft distribution (noise from the request's stream; draft_probs
     passed to the verifier), trees take the top-k (one-hot proposals).
     Non-finite drafter outputs for a sequence -> DraftTree.failed (plain decode)."""
 
@@ -487,7 +487,7 @@ class EagleProposer(Drafter):
                 params = seqs[i].request.sampling_params
                 if strategy.is_chain and params.temperature > 0:
                     qd = process_logits(lg[0], params.temperature, max(params.top_k, 0), params.top_p)
-                    noise = draw_exponential(seqs[i].generator, qd.shape[-1]).to(qd.device)
+                    noise = draw_exponential(seqs[i].rng, qd.shape[-1], qd.device)
                     tok = int(d.to_target_ids(race_sample(qd, noise).reshape(1))[0])
                     b.expand_sampled(tok, d.scatter_to_target(qd).float().cpu())
                 else:

@@ -304,12 +304,11 @@ def test_temperature_one_spec_rewards_match_off(setup, peaked, tmp_path):
     the reward rate is caught half the time, 0.15 with probability 0.99. Negative control:
     off at temperature 0.7 (one step, n = 320; rate ~0.32 vs ~0.61) must give p < 1e-3;
     its expected z is ~9, so it is missed with probability < 1e-8.
-    Measured with the CI defaults: reward counts (1, 0) off (392, 248), ngram (392, 248)
-    (per step 200+192 vs 199+193: equal totals by chance), eagle (398, 242), T=0.7
-    control (103, 217); p = 1.0 (ngram), 0.73 (eagle), 2.0e-17 (control). With
-    TLT_RL_TEST_STAT_STEPS=6 (n = 1920): off (1191, 729), ngram (1191, 729) (per step
-    differing again: 200 192 198 201 199 201 vs 199 193 187 212 202 198), eagle
-    (1199, 721); p = 1.0, 0.79, 1.4e-23."""
+    Measured with the CI defaults (counter-based noise streams, 2026-12-02): reward
+    counts (1, 0) off (381, 259), ngram (396, 244), eagle (390, 250), T=0.7 control
+    (107, 213); p = 0.39 (ngram), 0.61 (eagle), 2.5e-14 (control). With the earlier
+    per-request torch.Generator noise and TLT_RL_TEST_STAT_STEPS=6 (n = 1920): p = 1.0
+    (ngram), 0.79 (eagle), 1.4e-23 (control)."""
     root, _, prompts = setup
     hf, mcore, drafter = peaked
     common = [f"model.mcore_ckpt={mcore}", "rl.reward=megatron_tlt.testing.rewards:many_distinct_chars",

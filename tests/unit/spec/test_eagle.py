@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spec_testutil import make_engine, one_thread, random_eagle, spec_models  # noqa: E402,F401
 
 from megatron_tlt.errors import CheckpointError, ConfigError  # noqa: E402
-from megatron_tlt.rollout.sampling import SamplingParams, make_generator  # noqa: E402
+from megatron_tlt.rollout.sampling import SamplingParams, make_noise_stream  # noqa: E402
 from megatron_tlt.spec.eagle import (DrafterConfig, EagleDrafter, EagleProposer,  # noqa: E402
                                      count_frequent_tokens)
 from megatron_tlt.spec.export import (export_drafter, load_drafter, save_drafter,  # noqa: E402
@@ -77,7 +77,7 @@ def _fake_seq(seq_id, tokens, temperature=0.0, seed=0):
     req = types.SimpleNamespace(sampling_params=SamplingParams(temperature=temperature, max_new_tokens=64),
                                 prompt_id=seq_id)
     return types.SimpleNamespace(seq_id=seq_id, token_ids=list(tokens), request=req,
-                                 generator=make_generator(seed, seq_id, 0))
+                                 rng=make_noise_stream(seed, seq_id, 0))
 
 
 def _reference_logits(d, tokens, feats, extra):
