@@ -252,6 +252,17 @@ def test_planner_times_candidates_and_caches_the_choice():
     assert planner.config(x, w, split=False).splits == 1
 
 
+def test_noise_streams_same_bits_on_cuda_and_cpu():
+    """The counter-based sampling noise: identical 64-bit draws on the GPU and the CPU;
+    the float32 Exp(1) values agree to the last bit or one ulp (log differs by device)."""
+    from megatron_tlt.rollout.sampling import exponential_noise, noise_bits
+    keys = torch.tensor([0, 12345, (1 << 63) - 1])
+    draws = torch.tensor([0, 7, 1 << 40])
+    assert torch.equal(noise_bits(keys, draws, 151936, CUDA).cpu(), noise_bits(keys, draws, 151936, "cpu"))
+    torch.testing.assert_close(exponential_noise(keys, draws, 151936, CUDA).cpu(),
+                               exponential_noise(keys, draws, 151936, "cpu"), atol=0, rtol=2.4e-7)
+
+
 def test_greedy_sampler_matches_reference_sampler():
     arch, w = small_model(torch.float32)
     eng = RolloutEngine(arch, w, max_num_seqs=8, num_blocks=64, block_size=16, dtype=torch.float32,
