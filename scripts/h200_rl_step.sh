@@ -20,13 +20,15 @@ if [ ! -f "$OUT/sft/hf/config.json" ]; then
   $PY -m megatron_tlt sft --config examples/sft_bench_1p5b.yaml train.out_dir="$OUT/sft" \
       train.steps="$SFT_STEPS" optim.lr_warmup_steps=5 sft.eval_interval=0 sft.progress=false \
       2>&1 | tail -n 15
+  echo "[h200_rl_step] target done at $(( $(date +%s) - t0 )) s"
   rm -rf "$OUT/sft/checkpoints"  # ~21 GB of model + optimizer state; the HF export is kept
 fi
 if [ ! -f "$OUT/drafter/config.json" ]; then
   echo "[h200_rl_step] 2/3 drafter: offline EAGLE training on the target's responses"
   $PY -m megatron_tlt.spec.train_drafter --target "$OUT/sft/hf" --tasks arith,sort \
-      --num-prompts 256 --max-new-tokens 256 --draft-vocab 128 --steps 150 \
-      --batch-tokens 8192 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
+      --num-prompts 128 --max-new-tokens 192 --draft-vocab 128 --steps 60 \
+      --batch-tokens 4096 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
+  echo "[h200_rl_step] drafter done at $(( $(date +%s) - t0 )) s"
 fi
 for spec in off ngram eagle; do
   if [ ! -f "$OUT/rl_$spec/metrics.jsonl" ]; then
@@ -37,6 +39,7 @@ for spec in off ngram eagle; do
         model.hf_path="$OUT/sft/hf" rollout.spec=$spec train.out_dir="$OUT/rl_$spec" \
         "${extra[@]}" 2>&1 | tail -n 12
     rm -rf "$OUT/rl_$spec/checkpoints" "$OUT/rl_$spec/init_mcore"  # disk: ~24 GB per run
+    echo "[h200_rl_step] spec=$spec done at $(( $(date +%s) - t0 )) s"
   fi
 done
 $PY - "$OUT" "$SFT_STEPS" <<'PYEOF'
