@@ -2,9 +2,10 @@
 sampling on the device.
 
 `DecodeRunner` serves `RolloutEngine.forward_pending` when every scheduled sequence has
-exactly one pending token (a decode step) and `sample_and_append` when every request is
-greedy; anything else (prefill, re-prefill, verify, hidden states, sampling with
-temperature) takes the engine's generic path.
+exactly one pending token (a decode step), `sample_and_append` when every request is
+greedy, and (eagerly, `verify`) the speculative verify forward of a GPU engine that is
+not batch-invariant; anything else (prefill, re-prefill, hidden states of decode steps,
+sampling with temperature) takes the engine's generic path.
 
 Decode step (`decode(seqs)`):
 1. inputs — token ids, positions, slot mapping, context lengths and block tables — are
@@ -45,7 +46,7 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.gpu_model import DecodeModel
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
-from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms
+from megatron_tlt.rollout.triton_attention import MAX_BLOCK_M, block_n_for, choose_num_splits, num_sms
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _ID, _POS, _SLOT, _CTX = 0, 1, 2, 3  # columns of the input buffer; block table from column 4
@@ -180,6 +181,28 @@ class DecodeRunner:
             seq.pending_verify = 0
         self.num_steps += 1
         return ForwardOutput(logits=logits)
+
+    def verify(self, input_ids: torch.Tensor,  # [B * Q] int64
+               positions: torch.Tensor,  # [B * Q] int64
+               meta, *, return_hidden: bool = False) -> ForwardOutput:
+        """The speculative verify forward (tree mask) through the fused decode model,
+        eagerly: the same kernels as a decode step, Q query rows per sequence."""
+        bsz, q = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
+        arch = self.model.arch
+        max_ctx = meta.block_tables.shape[1] * self.cache.block_size
+        rows = q * (arch.num_heads // arch.num_kv_heads)
+        splits = choose_num_splits(bsz, arch.num_kv_heads, max_ctx, sms=num_sms(self.device),
+                                   block_n=block_n_for(self.cache.dtype),
+                                   row_tiles=-(-rows // MAX_BLOCK_M))
+        hidden: dict | None = {} if return_hidden else None
+        logits = self.model.forward(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                                    meta.context_lens, self.cache, num_splits=splits,
+                                    query_start=meta.query_start, tree_mask=meta.tree_mask,
+                                    hidden_out=hidden)
+        if not return_hidden:
+            return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, hidden_final=hidden["final"],
+                             hidden_pre_norm=hidden["pre_norm"])
 
     # ---- graphs -----------------------------------------------------------------------
 

@@ -431,12 +431,23 @@ class RolloutEngine:
             starts.append(starts[-1] + q)
             ctx.append(base + q)
         meta = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device))
-        out = self.model.forward(query_tokens.reshape(-1).to(self.device, torch.int64),
-                                 positions.reshape(-1).to(self.device, torch.int64), self.cache,
-                                 meta, logits_indices=None, return_hidden=return_hidden)
+        ids = query_tokens.reshape(-1).to(self.device, torch.int64)
+        pos = positions.reshape(-1).to(self.device, torch.int64)
+        if self._fused_verify():
+            out = self.decode_runner.verify(ids, pos, meta, return_hidden=return_hidden)
+        else:
+            out = self.model.forward(ids, pos, self.cache, meta, logits_indices=None,
+                                     return_hidden=return_hidden)
         for seq in seqs:
             seq.pending_verify = q
         return out
+
+    def _fused_verify(self) -> bool:
+        """Verify through the decode runner's fused kernels (a third of the generic
+        forward's launches): on a GPU engine with the Triton backend, unless the engine is
+        batch-invariant (the fused projections' kernel choice depends on the row count)."""
+        return (self.decode_runner is not None and self.device.type == "cuda"
+                and not self.model.batch_invariant)
 
     def commit_kv(self, seq: Sequence, accepted_slot_indices: Seq[int] | torch.Tensor) -> None:
         """Keep the KV of the accepted query tokens of the last verify_forward (indices into

@@ -260,16 +260,29 @@ class DecodeModel:
 
     @torch.no_grad()
     def forward(self,
-                input_ids: torch.Tensor,  # [B] int32/int64 (any stride)
-                positions: torch.Tensor,  # [B] int (any stride)
-                slot_mapping: torch.Tensor,  # [B] int (any stride); -1 for padding rows
+                input_ids: torch.Tensor,  # [T] int32/int64 (any stride); T = B (decode) or B * Q
+                positions: torch.Tensor,  # [T] int (any stride)
+                slot_mapping: torch.Tensor,  # [T] int (any stride); -1 for padding rows
                 block_tables: torch.Tensor,  # [B, max_blocks] int, last dim contiguous
-                context_lens: torch.Tensor,  # [B] int (any stride), new token included
+                context_lens: torch.Tensor,  # [B] int (any stride), new tokens included
                 kv_cache: PagedKVCache,
                 *, num_splits: int = 1,
-                logits_out: torch.Tensor | None = None,  # [B, vocab] float32, written in place
-                ) -> torch.Tensor:  # [B, vocab] float32
+                logits_out: torch.Tensor | None = None,  # [T, vocab] float32, written in place
+                query_start: torch.Tensor | None = None,  # [B + 1]: tree verify (else decode)
+                tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool: query i sees query j
+                hidden_out: dict | None = None,  # filled with "final" / "pre_norm" [T, hidden]
+                ) -> torch.Tensor:  # [T, vocab] float32
+        """Decode (one token per sequence) or, with `query_start` and `tree_mask`, the
+        speculative verify forward: Q tokens per sequence that see the committed prefix and
+        the query tokens the mask allows (everything but attention is per token, so the
+        same fused kernels serve both)."""
         a, w = self.arch, self.weights
+        if (query_start is None) != (tree_mask is None):
+            raise ValueError("DecodeModel.forward: query_start and tree_mask go together")
+        attn_kw = {}
+        if tree_mask is not None:
+            attn_kw = dict(query_start=query_start, max_query_len=tree_mask.shape[1],
+                           tree_mask=tree_mask)
         eps = a.rms_norm_eps
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         y = rms_norm(residual, w.layers[0].input_norm, eps)
@@ -284,12 +297,14 @@ class DecodeModel:
                                   head_dim=a.head_dim, bias=lw.qkv_bias, q_norm=lw.q_norm,
                                   k_norm=lw.k_norm, eps=eps)
             o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
-                                context_lens, scale=self.scale, num_splits=num_splits)
+                                context_lens, scale=self.scale, num_splits=num_splits, **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
             h = self._linear(silu_mul(self._linear(y, lw.gate_up_weight), dtype=y.dtype),
                              lw.down_weight)
         y = rms_norm(h, w.final_norm, eps, residual=residual)
+        if hidden_out is not None:
+            hidden_out["final"], hidden_out["pre_norm"] = y, residual
         if logits_out is None:
             logits_out = torch.empty(y.shape[0], a.vocab_size, dtype=torch.float32, device=y.device)
         # The LM head's output rounded to the model dtype, as the reference's, then float32.

@@ -68,7 +68,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 MODE_DECODE, MODE_CAUSAL, MODE_TREE = 0, 1, 2
 _LOG2E = 1.4426950408889634
-_MAX_BLOCK_M = 64
+MAX_BLOCK_M = 64
 _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 
 
@@ -284,7 +284,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     qs = query_start if query_start is not None else context_lens
     group = num_heads // kvh
     rows = max(1, max_query_len) * group
-    block_m = min(_MAX_BLOCK_M, max(16, _next_pow2(rows)))
+    block_m = min(MAX_BLOCK_M, max(16, _next_pow2(rows)))
     row_tiles = -(-rows // block_m)
     d_pad = max(16, _next_pow2(head_dim))
     block_n = block_n_for(k_cache.dtype)
@@ -357,7 +357,7 @@ class TritonPagedAttention:
         if meta.tree_mask is not None:
             qn = meta.tree_mask.shape[1]
             splits = choose_num_splits(bsz, kvh, max_ctx, sms=sms, block_n=block_n,
-                                       row_tiles=-(-qn * (q.shape[1] // kvh) // _MAX_BLOCK_M))
+                                       row_tiles=-(-qn * (q.shape[1] // kvh) // MAX_BLOCK_M))
             return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                    scale=scale, query_start=meta.query_start, max_query_len=qn,
                                    tree_mask=meta.tree_mask, num_splits=splits)
@@ -368,7 +368,7 @@ class TritonPagedAttention:
             return self._prefill(q, k_cache, v_cache, meta, starts, n_new, scale)
         max_q = max(n_new)
         splits = choose_num_splits(bsz, kvh, max(ctx), sms=sms, block_n=block_n,
-                                   row_tiles=-(-max_q * (q.shape[1] // kvh) // _MAX_BLOCK_M))
+                                   row_tiles=-(-max_q * (q.shape[1] // kvh) // MAX_BLOCK_M))
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                scale=scale, query_start=meta.query_start, max_query_len=max_q,
                                num_splits=splits)

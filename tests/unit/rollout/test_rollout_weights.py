@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout_testutil import make_engine, make_hf_model, prompts
+from rollout_testutil import make_engine, prompts
 from megatron_tlt.errors import CheckpointError, TLTError
 from megatron_tlt.rollout import EngineWeights, Request, SamplingParams, load_hf
 from megatron_tlt.rollout.weights import load_hf as load_hf_direct

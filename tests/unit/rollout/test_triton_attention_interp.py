@@ -252,10 +252,15 @@ def test_engine_triton_backend_matches_torch_backend():
         assert b.processed_logprobs == [0.0] * len(b.token_ids)
 
 
-def test_engine_verify_forward_tree_matches_torch_backend():
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused-decode-model"])
+def test_engine_verify_forward_tree_matches_torch_backend(fused, monkeypatch):
+    """Tree verify on the triton backend == the torch backend: through the generic forward,
+    and through the decode runner's fused kernels (what a CUDA engine uses; forced here)."""
     arch = _arch("qwen3", False)
     w = _weights(arch, seed=6)
-    logits = []
+    logits, hidden = [], []
+    if fused:
+        monkeypatch.setattr(RolloutEngine, "_fused_verify", lambda self: self.decode_runner is not None)
     for backend in ("torch", "triton"):
         eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4,
                             attention_backend=backend)
@@ -269,8 +274,11 @@ def test_engine_verify_forward_tree_matches_torch_backend():
         depth = mask.sum(-1) - 1
         base = torch.tensor([s.num_computed for s in seqs])[:, None]
         tokens = torch.randint(0, 300, (2, q), generator=g)
-        logits.append(eng.verify_forward(seqs, tokens, base + depth, mask))
+        lg, h = eng.verify_forward(seqs, tokens, base + depth, mask, return_hidden="final")
+        logits.append(lg)
+        hidden.append(h)
     torch.testing.assert_close(logits[1], logits[0], atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(hidden[1], hidden[0], atol=5e-5, rtol=5e-5)
 
 
 def test_runner_configuration_errors():
