@@ -199,6 +199,7 @@ class RLRun:
 
     def _engine(self):
         from megatron_tlt.rollout import EngineWeights, RolloutEngine
+        from megatron_tlt.rollout.engine import fast_path_options
 
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.model.dtype]
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,7 +209,7 @@ class RLRun:
                              block_size=16, dtype=dt, device=device,
                              max_model_len=self.cfg.model.seq_length,
                              eos_token_ids=[self.tokenizer.eos_id], detokenize=self.tokenizer.decode,
-                             seed=self.cfg.train.seed)
+                             seed=self.cfg.train.seed, **fast_path_options(device))
         engine.spec_decoder = self._spec_decoder(weights)
         return engine
 

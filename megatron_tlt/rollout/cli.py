@@ -154,7 +154,7 @@ def _eos_ids(model_dir: str, tokenizer) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.request import Result, expand_requests
     from megatron_tlt.rollout.sampling import SamplingParams
     from megatron_tlt.rollout.weights import load_hf
@@ -217,7 +217,8 @@ def main(args: argparse.Namespace) -> int:
                            block_size=block_size, dtype=_DTYPES[dtype_name], device=device,
                            max_model_len=max_model_len, eos_token_ids=_eos_ids(args.model, tokenizer),
                            detokenize=(lambda t: tokenizer.decode(t, skip_special_tokens=True))
-                           if tokenizer is not None else None, seed=args.seed)
+                           if tokenizer is not None else None, seed=args.seed,
+                           **fast_path_options(device))
     if strategy is not None:
         engine.spec_decoder = _spec_decoder(args, spec, strategy, arch, weights)
 

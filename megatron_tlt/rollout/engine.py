@@ -45,6 +45,19 @@ from megatron_tlt.rollout.scheduler import Scheduler, Sequence
 from megatron_tlt.rollout.weights import EngineWeights
 
 
+def fast_path_options(device: torch.device | str) -> dict:
+    """RolloutEngine keyword arguments for a job's engine on `device`: on CUDA the Triton
+    attention backend with CUDA-graph decode (the fast path `bench rollout` measures);
+    elsewhere the torch backend (the reference; its paged attention loops over sequences
+    in Python, fine for tiny CPU models, far too slow for a GPU rollout)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    return {"attention_backend": "triton", "cuda_graphs": True}
+
+
 @dataclasses.dataclass
 class Progress:
     num_done: int

@@ -314,7 +314,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         args = build_parser().parse_args(args)
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout.cli import _eos_ids
-    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.weights import load_hf
 
     for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts"):
@@ -335,7 +335,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
                            num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
                            device=device, max_model_len=max_len,
-                           eos_token_ids=_eos_ids(args.target, None), seed=args.seed)
+                           eos_token_ids=_eos_ids(args.target, None), seed=args.seed,
+                           **fast_path_options(device))
     progress = not args.no_progress
     samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, seed=args.seed,
