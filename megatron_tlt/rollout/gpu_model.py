@@ -14,7 +14,9 @@ Triton kernels; the tied LM head is the embedding matrix, read once. Each projec
 as cuBLAS or as a bandwidth-shaped Triton GEMV with split-K, whichever `LinearPlanner`
 timed faster for that batch size (triton_linear.py); a split GEMV leaves float32
 partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul all
-take planes), so split-K costs no extra kernel and no atomics.
+take planes), so split-K costs no extra kernel and no atomics. At batch 1 the planner may
+also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
+SiLU * mul into the down projection's (when it times that faster than two kernels).
 
 Numerics follow the reference (and HF) rounding points so the fused kernels round where
 the unfused bf16 ops round: the residual sum is rounded to the model dtype, RMSNorm
@@ -34,7 +36,8 @@ import triton.language as tl
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import paged_attention
-from megatron_tlt.rollout.triton_linear import LinearPlanner, linear_into, linear_partials
+from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
+                                                norm_linear_partials, silu_linear_partials)
 from megatron_tlt.rollout.weights import EngineWeights
 
 
@@ -258,6 +261,16 @@ class DecodeModel:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_partials(x, weight, self.planner.config(x, weight))
 
+    def _norm_linear(self, h, residual, norm_weight, weight, bias=None):
+        """linear(RMSNorm(residual + h (+ bias))) -> (planes, the new residual): fused into
+        the projection's prologue when the planner timed that faster, else two kernels."""
+        eps = self.arch.rms_norm_eps
+        cfg = self.planner.fused_config("norm", _planes(h), weight, norm_weight=norm_weight, eps=eps)
+        if cfg is not None:
+            return norm_linear_partials(_planes(h), residual, norm_weight, eps, weight, cfg, bias=bias)
+        y = rms_norm(h, norm_weight, eps, residual=residual, bias=bias)
+        return self._linear(y, weight), residual
+
     @torch.no_grad()
     def forward(self,
                 input_ids: torch.Tensor,  # [T] int32/int64 (any stride); T = B (decode) or B * Q
@@ -284,13 +297,15 @@ class DecodeModel:
             attn_kw = dict(query_start=query_start, max_query_len=tree_mask.shape[1],
                            tree_mask=tree_mask)
         eps = a.rms_norm_eps
+        plan = self.planner
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
-        y = rms_norm(residual, w.layers[0].input_norm, eps)
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
-            if layer > 0:
-                y = rms_norm(h, lw.input_norm, eps, residual=residual)
-            qkv = self._linear(y, lw.qkv_weight)  # [S, B, (H + 2 KVH) * D]; bias added below
+            # [S, B, (H + 2 KVH) * D]; the QKV bias is added below
+            if layer == 0:
+                qkv = self._linear(rms_norm(residual, lw.input_norm, eps), lw.qkv_weight)
+            else:
+                qkv, residual = self._norm_linear(h, residual, lw.input_norm, lw.qkv_weight)
             q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
                                   kv_cache.k[layer], kv_cache.v[layer],
                                   num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
@@ -299,9 +314,13 @@ class DecodeModel:
             o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                 context_lens, scale=self.scale, num_splits=num_splits, **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
-            y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
-            h = self._linear(silu_mul(self._linear(y, lw.gate_up_weight), dtype=y.dtype),
-                             lw.down_weight)
+            gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
+                                                  lw.gate_up_weight, bias=lw.o_bias)
+            cfg = plan.fused_config("silu", gate_up, lw.down_weight)
+            if cfg is not None:
+                h = silu_linear_partials(gate_up, lw.down_weight, cfg)
+            else:
+                h = self._linear(silu_mul(gate_up, dtype=residual.dtype), lw.down_weight)
         y = rms_norm(h, w.final_norm, eps, residual=residual)
         if hidden_out is not None:
             hidden_out["final"], hidden_out["pre_norm"] = y, residual

@@ -39,10 +39,59 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd,
+            rm, rk, m_ok, k_ok, K, WRITE_RES, DT: tl.constexpr, S_IN: tl.constexpr,
+            PRO: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] input tile in the model dtype DT. PRO 0: x itself; 1: SiLU(gate)
+    * up of gate/up partial-sum planes (gpu_model.silu_mul's roundings); 2: RMSNorm(residual
+    + planes (+ bias)) with the row's rstd given (gpu_model.rms_norm's roundings), writing
+    the new residual when WRITE_RES."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    offs = rm[:, None] * stride_xm + rk[None, :]
+    if PRO == 0:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    elif PRO == 1:
+        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, S_IN):
+            g += tl.load(x_ptr + s * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
+            u += tl.load(x_ptr + s * stride_xs + K + offs, mask=mask, other=0.0).to(tl.float32)
+        g = g.to(DT).to(tl.float32)
+        u = u.to(DT).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+        x = (a * u).to(DT)
+    else:
+        h = _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, mask,
+                          DT, S_IN, HAS_BIAS)
+        if WRITE_RES:
+            tl.store(r_out_ptr + rm[:, None] * stride_rm + rk[None, :], h.to(DT), mask=mask)
+        normed = (h * rstd[:, None]).to(DT).to(tl.float32)
+        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+        x = (nw[None, :] * normed).to(DT)
+    return x
+
+
+@triton.jit
+def _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, mask,
+                  DT: tl.constexpr, S_IN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """round(round(sum of planes (+ bias)) + residual), float32 [BLOCK_M, BLOCK_K]."""
+    offs = rm[:, None] * stride_xm + rk[None, :]
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S_IN):
+        h += tl.load(x_ptr + s * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(b_ptr + rk[None, :] + 0 * rm[:, None], mask=mask, other=0.0).to(tl.float32)
+    h = h.to(DT).to(tl.float32)
+    r = tl.load(r_ptr + rm[:, None] * stride_rm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    return (h + r).to(DT).to(tl.float32)
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
-                   k_split,
+                   k_split, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT: tl.constexpr, ROUND: tl.constexpr):
+                   DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
+                   PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,16 +102,27 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    DT: tl.constexpr = w_ptr.dtype.element_ty
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if PRO == 2:  # the whole row's mean square first (every program: the rows are short)
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            h = _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk,
+                              m_ok[:, None] & (rk < K)[None, :], DT, S_IN, HAS_BIAS)
+            ss += tl.sum(h * h, 1)
+        rstd = tl.rsqrt(ss / K + eps)
+    write_res = pid_n == 0
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < k_hi
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                        rstd, rm, rk, m_ok, k_ok, K, write_res, DT, S_IN, PRO, HAS_BIAS)
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # BLOCK_M == 1
+    else:  # BLOCK_M == 1, plain x
         prod = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -110,7 +170,7 @@ def linear_partials(x: torch.Tensor,  # [M, K], last dim contiguous
     if cfg.kind == "cublas" or not _triton_ok(x):
         return F.linear(x, weight).unsqueeze(0)
     out = torch.empty(cfg.splits, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, weight, out, cfg, round_out=False)
+    _launch(x, weight, out, cfg, round_out=False, k=k)
     return out
 
 
@@ -123,27 +183,77 @@ def linear_into(x: torch.Tensor,  # [M, K]
     if cfg.kind == "cublas" or not _triton_ok(x):
         return out.copy_(F.linear(x, weight))
     cfg = dataclasses.replace(cfg, splits=1)
-    _launch(x, weight, out.unsqueeze(0), cfg, round_out=True)
+    _launch(x, weight, out.unsqueeze(0), cfg, round_out=True, k=x.shape[1])
     return out
 
 
-def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool) -> None:
-    m, k = x.shape
+def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None = None,
+            pro: int = 0, planes=None, bias=None, residual=None, residual_out=None,
+            norm_weight=None, eps: float = 0.0) -> None:
+    """x [M, K] (pro 0), or the prologue's inputs: `planes` [S, M, *] with pro 1 (SiLU *
+    mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes)."""
+    if pro == 0:
+        m, k = x.shape
+        if x.stride(-1) != 1:
+            raise ValueError("triton linear: x must be contiguous in the last dimension")
+        src, stride_xs, stride_xm, s_in = x, 0, x.stride(0), 1
+    else:
+        s_in, m = planes.shape[0], planes.shape[1]
+        if planes.stride(-1) != 1:
+            raise ValueError("triton linear: the prologue's planes must be contiguous in the last dimension")
+        src, stride_xs, stride_xm = planes, planes.stride(0), planes.stride(1)
     n = weight.shape[0]
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("triton linear: x and weight must be contiguous in the last dimension")
+    if weight.stride(-1) != 1:
+        raise ValueError("triton linear: the weight must be contiguous in the last dimension")
     if weight.shape[1] != k:
-        raise ValueError(f"triton linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree on K")
+        raise ValueError(f"triton linear: input width {k} and weight {tuple(weight.shape)} disagree on K")
     dot = cfg.kind == "dot"
-    if not dot and m != 1:
-        raise ValueError(f"triton linear: fma configs serve one row, got {m}")
+    if not dot and (m != 1 or pro):
+        raise ValueError(f"triton linear: fma configs serve one row without a prologue, got {m} rows (prologue {pro})")
     block_m = cfg.block_m if dot else 1
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.splits)
-    _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0),
-                         out.stride(0), out.stride(1), k_split,
+    res = residual if residual is not None else weight
+    _linear_kernel[grid](src, weight, out, m, n, k, stride_xm, weight.stride(0),
+                         out.stride(0), out.stride(1), k_split, stride_xs,
+                         bias if bias is not None else weight, res,
+                         residual_out if residual_out is not None else weight,
+                         norm_weight if norm_weight is not None else weight,
+                         res.stride(0) if residual is not None else 0, float(eps),
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
-                         ROUND=round_out, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)
+                         weight: torch.Tensor,  # [N, I]
+                         cfg: LinearConfig) -> torch.Tensor:  # [splits, M, N] float32
+    """down(silu(gate) * up) with the SiLU * mul in the GEMV's prologue (a dot config):
+    the same roundings as gpu_model.silu_mul followed by linear_partials."""
+    s, m, two_i = gate_up.shape
+    out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=gate_up.device)
+    _launch(None, weight, out, cfg, round_out=False, k=two_i // 2, pro=1, planes=gate_up)
+    return out
+
+
+def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous projection
+                         residual: torch.Tensor,  # [M, K] model dtype (read only)
+                         norm_weight: torch.Tensor,  # [K]
+                         eps: float,
+                         weight: torch.Tensor,  # [N, K]
+                         cfg: LinearConfig,
+                         bias: torch.Tensor | None = None,  # [K]: the previous projection's
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # planes [splits, M, N], residual'
+    """linear(RMSNorm(residual + h)) with the residual add and the norm in the GEMV's
+    prologue (a dot config): the same roundings as gpu_model.rms_norm (its mean square is
+    summed in BLOCK_K chunks, so rstd may differ in the last bit). Returns the planes and
+    the new residual (a new tensor: the programs read the old one while it is written)."""
+    s, m, k = h.shape
+    out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=h.device)
+    new_res = torch.empty_like(residual)
+    _launch(None, weight, out, cfg, round_out=False, k=k, pro=2, planes=h, bias=bias,
+            residual=residual, residual_out=new_res, norm_weight=norm_weight, eps=eps)
+    return out, new_res
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
@@ -176,9 +286,14 @@ class LinearPlanner:
     it, fills the cache. `fixed` forces one config everywhere (tests, A/B benchmarks).
     """
 
-    def __init__(self, *, fixed: LinearConfig | None = None, iters: int = 16):
+    def __init__(self, *, fixed: LinearConfig | None = None, fixed_fused: bool = False,
+                 iters: int = 16):
+        """fixed_fused: with `fixed`, also run the prologue-fused projections with it."""
         self.fixed = fixed
+        self.fixed_fused = fixed_fused
         self.iters = iters
+        self.fused: dict[tuple, tuple[LinearConfig | None, float, float]] = {}
+        """(kind, m, n, k, planes, dtype) -> (config or None, fused us, unfused us)."""
         self.plans: dict[tuple, tuple[LinearConfig, float]] = {}
         """(m, n, k, dtype, split) -> (config, microseconds per call)."""
         self.timings: dict[tuple, dict[str, float]] = {}
@@ -198,13 +313,60 @@ class LinearPlanner:
             self.plans[key] = self._tune(x, weight, key)
         return self.plans[key][0]
 
+    def fused_config(self, kind: str,  # "norm" | "silu"
+                     planes: torch.Tensor,  # [S, M, *] the prologue's input planes
+                     weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> LinearConfig | None:
+        """The config to run `kind`'s kernel fused into this projection's prologue with, or
+        None when the separate kernel + projection is at least as fast (always None for
+        more than one row: every program re-reads its rows' inputs, and for the norm the
+        whole row)."""
+        if self.fixed is not None:
+            return self.fixed if self.fixed_fused and self.fixed.kind == "dot" else None
+        if planes.device.type != "cuda" or planes.shape[1] != 1:
+            return None
+        key = (kind, planes.shape[1], weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
+        if key not in self.fused:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"LinearPlanner: fused {key[:5]} first seen during CUDA graph capture")
+            self.fused[key] = self._tune_fused(kind, planes, weight, norm_weight, eps)
+        return self.fused[key][0]
+
+    def _tune_fused(self, kind, planes, weight, norm_weight, eps):
+        from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
+        s_in, m = planes.shape[0], planes.shape[1]
+        n, k = weight.shape
+        dev, dt = planes.device, weight.dtype
+        p = torch.randn(s_in, m, planes.shape[2], dtype=planes.dtype, device=dev)
+        res = torch.randn(m, k, dtype=dt, device=dev)
+        nw = norm_weight if norm_weight is not None else torch.ones(k, dtype=dt, device=dev)
+        self.config(torch.randn(m, k, dtype=dt, device=dev), weight)  # the unfused projection's plan
+        ws = _weight_copies(weight)
+        if kind == "norm":
+            consumer = lambda i: rms_norm(p, nw, eps, residual=res)  # noqa: E731
+        else:
+            consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
+        unfused = _time_us(consumer, self.iters) + self.plans[(m, n, k, dt, True)][1]
+        best, best_us = None, unfused
+        for cfg in candidate_configs(m, n, k):
+            if cfg.kind != "dot":
+                continue
+            if kind == "norm":
+                fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023
+            else:
+                fn = lambda i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731,B023
+            try:
+                us = _time_us(fn, self.iters)
+            except Exception:  # a config that does not compile on this device
+                continue
+            if us < best_us:
+                best, best_us = cfg, us
+        return best, best_us, unfused
+
     def _tune(self, x, weight, key) -> tuple[LinearConfig, float]:
         m, n, k = key[:3]
         xs = torch.randn(m, k, dtype=x.dtype, device=x.device)
-        # Cycle through copies of the weight worth > 2x the L2 cache, as a decode step
-        # does (the other layers' weights evict this one between its uses).
-        nbytes = weight.numel() * weight.element_size()
-        ws = [weight] + [torch.empty_like(weight).normal_() for _ in range(min(15, (256 << 20) // nbytes))]
+        ws = _weight_copies(weight)
         times: dict[str, float] = {}
         best = (CUBLAS, float("inf"))
         for cfg in candidate_configs(m, n, k):
@@ -223,6 +385,13 @@ class LinearPlanner:
                 best = (cfg, us)
         self.timings[key] = times
         return best
+
+
+def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and random copies of it worth > 2x the L2 cache: timing cycles through
+    them, as a decode step does (the other layers' weights evict this one between uses)."""
+    nbytes = weight.numel() * weight.element_size()
+    return [weight] + [torch.empty_like(weight).normal_() for _ in range(min(15, (256 << 20) // nbytes))]
 
 
 def _time_us(call, n: int) -> float:

@@ -23,7 +23,8 @@ from megatron_tlt.rollout.attention import AttentionMetadata, TorchPagedAttentio
 from megatron_tlt.rollout.gpu_model import (DecodeModel, qkv_rope_write_kv, rms_norm,  # noqa: E402
                                             silu_mul)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, candidate_configs,  # noqa: E402
-                                                linear_into, linear_partials)
+                                                linear_into, linear_partials, norm_linear_partials,
+                                                silu_linear_partials)
 from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import InferenceModel, apply_rope, rope_table  # noqa: E402
 from megatron_tlt.rollout.model import rms_norm as ref_rms_norm  # noqa: E402
@@ -238,6 +239,40 @@ def test_triton_linear_configs_match_float32_product(m, n, k):
         out = torch.empty(m, n, dtype=torch.float32, device=CUDA)
         assert rel_err(linear_into(x, w, out, cfg), F.linear(x, w).float()) < 1e-2, cfg
     assert rel_err(linear_partials(x, w.flip(1), candidate_configs(m, n, k)[-1]).sum(0), ref) > 0.1
+
+
+@pytest.mark.parametrize("hidden,inter", [(1536, 8960), (3584, 18944)])
+def test_fused_prologues_match_separate_kernels_bf16(hidden, inter):
+    """bf16, batch 1, every dot config: SiLU * mul in the down projection's prologue ==
+    silu_mul + the projection (same roundings: equal up to float32 summation order);
+    RMSNorm in the QKV projection's prologue within a bf16 ulp of rms_norm + projection
+    (its mean square is summed in chunks), the new residual exact."""
+    g = torch.Generator().manual_seed(hidden)
+    bf = lambda *sh, s=1.0: (s * torch.randn(*sh, generator=g)).to(torch.bfloat16).to(CUDA)  # noqa: E731
+    gu = (torch.randn(2, 1, 2 * inter, generator=g)).to(CUDA)  # float32 planes
+    down = bf(hidden, inter, s=0.02)
+    h = torch.randn(4, 1, hidden, generator=g).to(CUDA)
+    res, nw = bf(1, hidden), bf(hidden, s=0.1) + 1
+    qkv = bf(2048 if hidden == 1536 else 4608, hidden, s=0.02)
+    for cfg in [c for c in candidate_configs(1, hidden, inter) if c.kind == "dot"]:
+        ref = linear_partials(silu_mul(gu, dtype=torch.bfloat16), down, cfg)
+        assert rel_err(silu_linear_partials(gu, down, cfg).sum(0), ref.sum(0)) < 5e-5, cfg
+    for cfg in [c for c in candidate_configs(1, qkv.shape[0], hidden) if c.kind == "dot"]:
+        r = res.clone()
+        ref = linear_partials(rms_norm(h, nw, 1e-6, residual=r), qkv, cfg)
+        out, new_res = norm_linear_partials(h, res, nw, 1e-6, qkv, cfg)
+        assert torch.equal(new_res, r), cfg
+        assert rel_err(out.sum(0), ref.sum(0)) < 1e-2, cfg
+
+
+def test_planner_fused_choice_is_timed_against_two_kernels():
+    planner = LinearPlanner()
+    gu = torch.randn(1, 1, 2 * 8960, device=CUDA)
+    down = torch.randn(1536, 8960, device=CUDA, dtype=torch.bfloat16)
+    cfg = planner.fused_config("silu", gu, down)
+    ((key, (best, fused_us, unfused_us)),) = planner.fused.items()
+    assert best is cfg and (cfg is None) == (fused_us >= unfused_us) and unfused_us > 0
+    assert planner.fused_config("silu", torch.randn(1, 2, 2 * 8960, device=CUDA), down) is None
 
 
 def test_planner_times_candidates_and_caches_the_choice():

@@ -21,7 +21,8 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import InferenceModel, rope_table  # noqa: E402
 from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
 from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, candidate_configs,  # noqa: E402
-                                                linear_into, linear_partials)
+                                                linear_into, linear_partials, norm_linear_partials,
+                                                silu_linear_partials)
 from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
 
 CONFIGS = [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=1),
@@ -77,12 +78,39 @@ def test_consumers_add_planes_and_bias_before_rounding():
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2]], ids=str)
-def test_decode_model_with_triton_linears_matches_inference_model(cfg):
+def test_fused_prologues_equal_the_separate_kernels():
+    """SiLU * mul and residual add + RMSNorm (+ the previous projection's bias) computed in
+    the projection's prologue == the separate kernel then the projection; the residual
+    passed in is left as it was, the new one returned equals rms_norm's in-place update."""
+    g = torch.Generator().manual_seed(0)
+    cfg = LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=3)
+    gu = torch.randn(2, 1, 2 * 70, generator=g)
+    w = torch.randn(20, 70, generator=g)
+    torch.testing.assert_close(silu_linear_partials(gu, w, cfg), linear_partials(silu_mul(gu), w, cfg),
+                               atol=1e-6, rtol=1e-6)
+    h = torch.randn(3, 1, 40, generator=g)
+    res = torch.randn(1, 40, generator=g)
+    nw, bias = 1 + 0.1 * torch.randn(40, generator=g), torch.randn(40, generator=g)
+    wq = torch.randn(24, 40, generator=g)
+    before = res.clone()
+    planes, new_res = norm_linear_partials(h, res, nw, 1e-6, wq, cfg, bias=bias)
+    assert torch.equal(res, before)
+    ref_res = res.clone()
+    ref = linear_partials(rms_norm(h, nw, 1e-6, residual=ref_res, bias=bias), wq, cfg)
+    torch.testing.assert_close(planes, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    # negative control: without the bias the product differs
+    assert (norm_linear_partials(h, res, nw, 1e-6, wq, cfg)[0] - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("cfg,fused", [(CONFIGS[1], False), (CONFIGS[1], True), (CONFIGS[2], False)],
+                         ids=["dot", "dot-fused-prologues", "fma"])
+def test_decode_model_with_triton_linears_matches_inference_model(cfg, fused):
     arch = _arch("qwen2", True)
     w = _weights(arch, seed=1)
     ref_model = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
-    fast = DecodeModel(arch, w, ref_model.cos, ref_model.sin, planner=LinearPlanner(fixed=cfg))
+    fast = DecodeModel(arch, w, ref_model.cos, ref_model.sin,
+                       planner=LinearPlanner(fixed=cfg, fixed_fused=fused))
     caches = [PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, block_size=4)
               for _ in range(2)]
     ids, pos = torch.tensor([3]), torch.tensor([5])
