@@ -522,7 +522,7 @@ def _prefix_agreement(a: list[int], b: list[int]) -> int:
 
 
 def _command(args: argparse.Namespace) -> str:
-    words = ["megatron-tlt", "bench", "rollout"]
+    words = ["megatron-tlt", "bench", getattr(args, "what", "rollout")]
     if getattr(args, "json", None):
         words += ["--json", args.json]
     return shlex.join(words + list(getattr(args, "extra", None) or []))
@@ -533,8 +533,12 @@ def _fmt(x, spec=".3f") -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "what", "rollout") != "rollout":
-        raise TLTError(f"bench {args.what}: not implemented yet (available: bench rollout)")
+    what = getattr(args, "what", "rollout")
+    if what == "spec":
+        from megatron_tlt.bench_spec import main as spec_main
+        return spec_main(args)
+    if what != "rollout":
+        raise TLTError(f"bench {what}: not implemented yet (available: bench rollout, bench spec)")
     opts = parse_args(list(getattr(args, "extra", []) or []))
     plan = _plan(opts)
     shapes = (opts.shapes or ("1.5b,7b" if plan.device.type == "cuda" else "tiny")).split(",")

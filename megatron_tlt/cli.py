@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export_drafter)
 
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    p.add_argument("what", choices=["rollout", "e2e"])
+    p.add_argument("what", choices=["rollout", "spec", "e2e"])
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.set_defaults(func=_cmd_bench)
 

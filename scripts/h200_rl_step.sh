@@ -7,8 +7,10 @@
 #   1. target: examples/sft_bench_1p5b.yaml for SFT_STEPS steps (default 20; the full
 #      recipe is 120 steps / 447 s), exported to OUT_DIR/sft/hf;
 #   2. drafter: offline EAGLE drafter trained on the target's own greedy responses;
-#   3. one RL step per spec mode (examples/rl_step_1p5b_h200.yaml), metrics.jsonl each;
-#   4. OUT_DIR/rl_step_h200.json: the three steps' metrics side by side.
+#   3. `bench spec`: EAGLE and n-gram vs plain decoding at T=0.9, batch 1/4/16/32
+#      (OUT_DIR/bench_spec.json; the speculative-decoding issue's H200 item);
+#   4. one RL step per spec mode (examples/rl_step_1p5b_h200.yaml), metrics.jsonl each;
+#   5. OUT_DIR/rl_step_h200.json: the three steps' metrics side by side.
 set -euo pipefail
 OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
 SFT_STEPS=${2:-20}
@@ -29,6 +31,13 @@ if [ ! -f "$OUT/drafter/config.json" ]; then
       --num-prompts 128 --max-new-tokens 192 --draft-vocab 128 --steps 60 \
       --batch-tokens 4096 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
   echo "[h200_rl_step] drafter done at $(( $(date +%s) - t0 )) s"
+fi
+if [ ! -f "$OUT/bench_spec.json" ]; then
+  echo "[h200_rl_step] SD benchmark: eagle and ngram vs off at T=0.9, batch 1/4/16/32"
+  $PY -m megatron_tlt bench spec --json "$OUT/bench_spec.json" --model "$OUT/sft/hf" \
+      --drafter "$OUT/drafter" --drafters eagle,ngram --batch-sizes 1,4,16,32 \
+      --temperature 0.9 --max-new-tokens 256 --tasks arith,sort 2>&1 | tail -n 14
+  echo "[h200_rl_step] SD benchmark done at $(( $(date +%s) - t0 )) s"
 fi
 for spec in off ngram eagle; do
   if [ ! -f "$OUT/rl_$spec/metrics.jsonl" ]; then

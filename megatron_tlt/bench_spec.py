@@ -1,0 +1,185 @@
+"""`megatron-tlt bench spec`: speculative decoding against plain decoding of the same
+target, side by side in one run, per batch size.
+
+    megatron-tlt bench spec --model DIR --json FILE [--drafter DIR] [--drafters eagle,ngram]
+        [--batch-sizes 1,4,16,32] [--temperature 0.9] [--max-new-tokens 256]
+        [--tasks arith,sort | --prompts FILE.jsonl] [--spec-depth D --spec-topk K
+        --spec-num-verify N] [--repeats R] [--seed S]
+
+For each batch size B, the first B prompts (synthetic tasks, or a prompts file) are
+generated with `--spec off` and with each drafter, on ONE engine (same weights, same
+cache, the job's fast path: Triton + CUDA graphs on a GPU), the order alternating between
+repeats. Reported per (B, mode): wall seconds (median of repeats), generated tokens,
+tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py); then
+`speedup` = SD tokens/s / off tokens/s. At temperature > 0 the modes draw different
+tokens (lossless means same distribution, not same samples), so response lengths differ:
+tokens/s, not wall time, is the comparable figure; the mean lengths are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from megatron_tlt.bench import _Clock, _command, _git_revision, _int_list, _version
+from megatron_tlt.errors import TLTError
+
+
+def parse_args(extra: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-tlt bench spec")
+    p.add_argument("--model", required=True, help="HF target model directory")
+    p.add_argument("--drafter", default=None, help="EAGLE drafter directory (needed for eagle)")
+    p.add_argument("--drafters", default=None,
+                   help="comma-separated: eagle, ngram (default: eagle with --drafter, else ngram)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--tasks", default="arith,sort", help="built-in synthetic tasks for the prompts")
+    src.add_argument("--prompts", default=None, help="prompts JSONL (prompt or prompt_token_ids)")
+    p.add_argument("--spec-depth", type=int, default=4)
+    p.add_argument("--spec-topk", type=int, default=1)
+    p.add_argument("--spec-num-verify", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    args = p.parse_args(extra)
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.temperature < 0:
+        raise TLTError("bench spec: --max-new-tokens and --repeats must be >= 1, --temperature >= 0")
+    names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
+    bad = [n for n in names if n not in ("eagle", "ngram")]
+    if bad or not names:
+        raise TLTError(f"bench spec: --drafters takes eagle and/or ngram, got {args.drafters!r}")
+    if "eagle" in names and not args.drafter:
+        raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
+    args.drafter_names = names
+    return args
+
+
+def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
+    if args.prompts:
+        from megatron_tlt.rollout.cli import read_prompts
+        out = []
+        for _, rec in read_prompts(args.prompts):
+            ids = rec.get("prompt_token_ids")
+            if ids is None:
+                if tokenizer is None:
+                    raise TLTError(f"--prompts {args.prompts} has text prompts but {args.model} has no tokenizer")
+                ids = tokenizer.encode_prompt(rec["prompt"])
+            out.append((str(rec["prompt_id"]), list(ids)))
+    else:
+        from megatron_tlt.data.tasks import make_dataset
+        if tokenizer is None:
+            raise TLTError(f"--tasks needs a tokenizer in {args.model}")
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        out = [(s.prompt_id, tokenizer.encode_prompt(s.prompt)) for s in make_dataset(names, n, args.seed)]
+    if len(out) < n:
+        raise TLTError(f"bench spec: {n} prompts needed for batch {n}, the source has {len(out)}")
+    return out[:n]
+
+
+def _run(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
+    from megatron_tlt.rollout import Request, SamplingParams
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
+            for pid, ids in prompts]
+    engine.spec_decoder = decoder
+    if decoder is not None:
+        decoder.metrics.reset()
+    clock.sync()
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    clock.sync()
+    wall = time.perf_counter() - t0
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise TLTError(f"bench spec: a request failed: {errors[0]}")
+    tokens = sum(len(r.token_ids) for r in results)
+    row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
+           "mean_len": tokens / len(results)}
+    if decoder is not None:
+        t = decoder.metrics.summary()["total"]
+        row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
+                   num_drafts=t["num_drafts"], fallbacks=t["fallbacks"])
+    return row
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.rollout.cli import _eos_ids, _spec_decoder
+    from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
+    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.spec.tree import Strategy
+
+    opts = parse_args(list(getattr(args, "extra", []) or []))
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    arch, weights = load_hf(opts.model, device=device)
+    try:
+        tokenizer = load_tokenizer(opts.model)
+    except TLTError:
+        tokenizer = None
+    max_b = max(opts.batch_sizes)
+    prompts = _prompts(opts, tokenizer, max_b)
+    strategy = Strategy(depth=opts.spec_depth, topk=opts.spec_topk, num_verify_tokens=opts.spec_num_verify)
+    longest = max(len(ids) for _, ids in prompts) + opts.max_new_tokens + strategy.num_draft_nodes + 1
+    max_len = min(arch.max_position_embeddings, longest)
+    bs = 16
+    engine = RolloutEngine(arch, weights, max_num_seqs=max_b, block_size=bs,
+                           num_blocks=max_b * -(-longest // bs) + 8, dtype=weights.dtype,
+                           device=device, max_model_len=max_len,
+                           eos_token_ids=_eos_ids(opts.model, tokenizer), seed=opts.seed,
+                           **fast_path_options(device))
+    decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name, strategy, arch, weights)
+                for name in opts.drafter_names}
+    clock = _Clock(torch.device(device))
+    for mode in [None] + opts.drafter_names:  # graphs, kernels, planner, the verify extension
+        _run(engine, decoders.get(mode), prompts[:1], opts, f"warmup-{mode}", clock)
+    rows = []
+    for b in sorted(set(opts.batch_sizes)):
+        runs: dict[str, list[dict]] = {m: [] for m in ["off"] + opts.drafter_names}
+        for r in range(opts.repeats):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for mode in order:
+                runs[mode].append(_run(engine, decoders.get(mode), prompts[:b], opts,
+                                       f"b{b}-r{r}-{mode}", clock))
+        off_tps = statistics.median(x["tokens_per_s"] for x in runs["off"])
+        for mode, xs in runs.items():
+            row = {"batch": b, "mode": mode, "repeats": xs,
+                   "tokens_per_s": statistics.median(x["tokens_per_s"] for x in xs),
+                   "mean_len": statistics.mean(x["mean_len"] for x in xs)}
+            if mode != "off":
+                row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
+                row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
+                row["speedup"] = row["tokens_per_s"] / off_tps if off_tps else None
+            rows.append(row)
+            acc = (f" acceptance length {row['acceptance_length']:.2f}, speedup {row['speedup']:.2f}x"
+                   if mode != "off" else "")
+            print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
+                  f"{row['mean_len']:.1f}{acc}", flush=True)
+    report = {"command": _command(args), "git_revision": _git_revision(), "torch": torch.__version__,
+              "triton": _version("triton"),
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "model": os.path.abspath(opts.model), "drafter": opts.drafter,
+              "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
+              "engine": {"attention_backend": "triton" if engine.decode_runner is not None else "torch",
+                         "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs"))},
+              "definitions": {
+                  "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
+                  "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
+                  "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
+              },
+              "results": rows, "wall_s": time.perf_counter() - start}
+    if getattr(args, "json", None):
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,52 @@
+"""`megatron-tlt bench spec` end to end on CPU with the tiny default and a random EAGLE
+drafter: the code path runs and the JSON holds what the GPU run reports (no assertion on
+time: benchmarks are not tests)."""
+
+import json
+
+import torch
+
+from megatron_tlt.cli import main
+
+TINY = "megatron_tlt/assets/tiny_default"
+
+
+def _drafter(out):
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter
+    from megatron_tlt.spec.export import save_drafter
+
+    arch = ModelArch.from_hf_dir(TINY)
+    shared = torch.zeros(arch.vocab_size, arch.hidden_size)
+    drafter = EagleDrafter(DrafterConfig(arch=arch), shared, shared)
+    drafter.reset_parameters(seed=0, std=0.02)
+    save_drafter(drafter, str(out))
+    return str(out)
+
+
+def test_bench_spec_cpu(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    rc = main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
+               "--drafters", "eagle,ngram", "--batch-sizes", "1,3", "--max-new-tokens", "12",
+               "--tasks", "sort", "--device", "cpu", "--spec-depth", "3"])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["command"].startswith("megatron-tlt bench spec --json ")
+    assert report["git_revision"] and report["engine"]["attention_backend"] == "torch"
+    rows = {(r["batch"], r["mode"]): r for r in report["results"]}
+    assert sorted(rows) == [(1, "eagle"), (1, "ngram"), (1, "off"), (3, "eagle"), (3, "ngram"), (3, "off")]
+    for (b, mode), r in rows.items():
+        assert r["tokens_per_s"] > 0 and 0 < r["mean_len"] <= 12
+        if mode == "off":
+            assert "speedup" not in r
+        else:
+            assert r["speedup"] > 0 and r["acceptance_length"] >= 1.0
+            assert r["repeats"][0]["num_drafts"] > 0  # SD ran
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_spec_bad_input(capsys):
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "eagle", "--device", "cpu"]) == 2
+    assert "--drafters eagle needs --drafter DIR" in capsys.readouterr().err
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "medusa", "--device", "cpu"]) == 2
+    assert "--drafters takes eagle and/or ngram" in capsys.readouterr().err
