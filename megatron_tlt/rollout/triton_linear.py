@@ -17,9 +17,16 @@ plane `out[s]`, and the CONSUMING kernel (RMSNorm, RoPE + KV write, SiLU * mul â
 gpu_model.py) adds the planes in a fixed order, rounds once to the model dtype (where
 `F.linear` would round its output) and goes on. Deterministic, and no extra kernel.
 
+Prologues (dot configs): the input tile can be computed in the kernel from the previous
+kernels' inputs instead of being read: SiLU(gate) * up from gate/up planes (the down
+projection), or RMSNorm(residual + planes) (the QKV and gate_up projections; every
+program first sums the whole row's squares, so this pays only for a row or two). Same
+roundings as the separate kernels; one launch fewer each.
+
 `LinearPlanner` picks, per (M, N, K, dtype), the fastest of cuBLAS and a few Triton
-configs by timing them once on the device (outside any CUDA graph capture); the choice
-is cached for the process. On CPU it always answers cuBLAS (`F.linear`).
+configs by timing them once on the device as CUDA-graph replays (outside any capture),
+and whether a fused prologue beats the separate kernel + projection; the choices are
+cached for the process. On CPU it always answers cuBLAS (`F.linear`) and no fusion.
 """
 
 from __future__ import annotations
@@ -40,12 +47,13 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd,
-            rm, rk, m_ok, k_ok, K, WRITE_RES, DT: tl.constexpr, S_IN: tl.constexpr,
+            rm, rk, m_ok, k_ok, K, WRITE_RES, w_ptr, S_IN: tl.constexpr,
             PRO: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] input tile in the model dtype DT. PRO 0: x itself; 1: SiLU(gate)
+    """The [BLOCK_M, BLOCK_K] input tile in the model dtype (w_ptr's). PRO 0: x itself; 1: SiLU(gate)
     * up of gate/up partial-sum planes (gpu_model.silu_mul's roundings); 2: RMSNorm(residual
     + planes (+ bias)) with the row's rstd given (gpu_model.rms_norm's roundings), writing
     the new residual when WRITE_RES."""
+    DT = w_ptr.dtype.element_ty
     mask = m_ok[:, None] & k_ok[None, :]
     offs = rm[:, None] * stride_xm + rk[None, :]
     if PRO == 0:
@@ -62,7 +70,7 @@ def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride
         x = (a * u).to(DT)
     else:
         h = _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, mask,
-                          DT, S_IN, HAS_BIAS)
+                          w_ptr, S_IN, HAS_BIAS)
         if WRITE_RES:
             tl.store(r_out_ptr + rm[:, None] * stride_rm + rk[None, :], h.to(DT), mask=mask)
         normed = (h * rstd[:, None]).to(DT).to(tl.float32)
@@ -73,8 +81,10 @@ def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride
 
 @triton.jit
 def _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, mask,
-                  DT: tl.constexpr, S_IN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """round(round(sum of planes (+ bias)) + residual), float32 [BLOCK_M, BLOCK_K]."""
+                  w_ptr, S_IN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """round(round(sum of planes (+ bias)) + residual), float32 [BLOCK_M, BLOCK_K], rounded
+    to the model dtype (w_ptr's)."""
+    DT = w_ptr.dtype.element_ty
     offs = rm[:, None] * stride_xm + rk[None, :]
     h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, S_IN):
@@ -102,14 +112,13 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    DT: tl.constexpr = w_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 2:  # the whole row's mean square first (every program: the rows are short)
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             h = _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk,
-                              m_ok[:, None] & (rk < K)[None, :], DT, S_IN, HAS_BIAS)
+                              m_ok[:, None] & (rk < K)[None, :], w_ptr, S_IN, HAS_BIAS)
             ss += tl.sum(h * h, 1)
         rstd = tl.rsqrt(ss / K + eps)
     write_res = pid_n == 0
@@ -119,7 +128,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < k_hi
             x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
-                        rstd, rm, rk, m_ok, k_ok, K, write_res, DT, S_IN, PRO, HAS_BIAS)
+                        rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     else:  # BLOCK_M == 1, plain x
