@@ -265,10 +265,17 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
     return out, new_res
 
 
+_MAX_TRITON_ROWS = 64
+
+
+def _row_bucket(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
 def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
     """The configs the planner times for an [m, k] x [n, k] product (cuBLAS first)."""
     out = [CUBLAS]
-    if m > 64:
+    if m > _MAX_TRITON_ROWS:
         return out
     block_m = max(16, 1 << (m - 1).bit_length())
     for block_n in (16, 32, 64):
@@ -312,9 +319,11 @@ class LinearPlanner:
         """split=False: only single-plane configs (for `linear_into`)."""
         if self.fixed is not None:
             return self.fixed
-        if x.device.type != "cuda":
+        if x.device.type != "cuda" or x.shape[0] > _MAX_TRITON_ROWS:
             return CUBLAS
-        key = (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, split)
+        # Row counts are planned per power-of-two bucket (a verify step's B * Q takes many
+        # values); a bucket's config serves every row count up to it.
+        key = (_row_bucket(x.shape[0]), weight.shape[0], weight.shape[1], weight.dtype, split)
         if key not in self.plans:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"LinearPlanner: shape {key[:3]} first seen during CUDA graph "
