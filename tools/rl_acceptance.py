@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 "spec=eagle",
         "acceptance_item": f"the run raises the held-out exact-answer rate by >= {args.target_gain:g} points over "
                            "the SFT starting point",
-        "tool": shlex.join(["python", "tools/rl_acceptance.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join(["python", "tools/rl_acceptance.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": date, "git_revision": _git("rev-parse", "HEAD").strip(),
         # porcelain lines are "XY path": the two status columns, a space, the path
         "git_dirty_files": [ln[3:] for ln in _git("status", "--porcelain").splitlines() if len(ln) > 3],
