@@ -62,25 +62,12 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
 
 
 def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
-    if args.prompts:
-        from megatron_tlt.rollout.cli import read_prompts
-        out = []
-        for _, rec in read_prompts(args.prompts):
-            ids = rec.get("prompt_token_ids")
-            if ids is None:
-                if tokenizer is None:
-                    raise TLTError(f"--prompts {args.prompts} has text prompts but {args.model} has no tokenizer")
-                ids = tokenizer.encode_prompt(rec["prompt"])
-            out.append((str(rec["prompt_id"]), list(ids)))
-    else:
-        from megatron_tlt.data.tasks import make_dataset
-        if tokenizer is None:
-            raise TLTError(f"--tasks needs a tokenizer in {args.model}")
-        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        out = [(s.prompt_id, tokenizer.encode_prompt(s.prompt)) for s in make_dataset(names, n, args.seed)]
+    from megatron_tlt.spec.train_drafter import prompt_token_ids
+    out = prompt_token_ids(path=args.prompts, tasks=args.tasks, n=n, seed=args.seed,
+                           tokenizer=tokenizer, model_dir=args.model, flag="--prompts")
     if len(out) < n:
         raise TLTError(f"bench spec: {n} prompts needed for batch {n}, the source has {len(out)}")
-    return out[:n]
+    return [(str(pid), ids) for pid, ids in out[:n]]
 
 
 def _run(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:

@@ -261,23 +261,27 @@ def build_drafter(target_arch, target_weights, samples: list[TrainSample] | None
     return d.to(device=target_weights.device, dtype=target_weights.dtype)
 
 
-def _read_prompt_tokens(args, tokenizer) -> list[tuple[object, list[int]]]:
+def prompt_token_ids(*, path: str | None, tasks: str | None, n: int, seed: int, tokenizer,
+                     model_dir: str, flag: str = "--data") -> list[tuple[object, list[int]]]:
+    """(prompt id, token ids) from a prompts JSONL at `path` (text or prompt_token_ids;
+    every line) or, without one, `n` prompts of the built-in synthetic `tasks`
+    (comma separated). `flag` names the path option in errors."""
     from megatron_tlt.rollout.cli import read_prompts
     out = []
-    if args.data:
-        for _, rec in read_prompts(args.data):
+    if path:
+        for _, rec in read_prompts(path):
             ids = rec.get("prompt_token_ids")
             if ids is None:
                 if tokenizer is None:
-                    raise TLTError(f"--data {args.data} has text prompts but {args.target} has no tokenizer")
+                    raise TLTError(f"{flag} {path} has text prompts but {model_dir} has no tokenizer")
                 ids = tokenizer.encode_prompt(rec["prompt"])
             out.append((rec["prompt_id"], list(ids)))
     else:
         from megatron_tlt.data.tasks import make_dataset
         if tokenizer is None:
-            raise TLTError(f"--tasks needs a tokenizer in {args.target}")
-        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        for s in make_dataset(names, args.num_prompts, args.seed):
+            raise TLTError(f"--tasks needs a tokenizer in {model_dir}")
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        for s in make_dataset(names, n, seed):
             out.append((s.prompt_id, tokenizer.encode_prompt(s.prompt)))
     return out
 
@@ -328,7 +332,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.target)
     except TLTError:
         tokenizer = None
-    prompts = _read_prompt_tokens(args, tokenizer)
+    prompts = prompt_token_ids(path=args.data, tasks=args.tasks, n=args.num_prompts, seed=args.seed,
+                               tokenizer=tokenizer, model_dir=args.target)
     longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
     max_len = min(arch.max_position_embeddings, longest)
     bs = 16
