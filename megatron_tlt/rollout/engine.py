@@ -369,13 +369,13 @@ class RolloutEngine:
                     banned = torch.zeros(b, v, dtype=torch.bool)
                 banned[i, list(ban)] = True
         dev = logits.device
-        noise = torch.ones(b, v, dtype=torch.float32, device=dev)  # greedy rows: unused
-        if rows:
-            drawn = exponential_noise(torch.tensor(keys), torch.tensor(draws), v, dev)
-            if len(rows) == b:
-                noise = drawn
-            else:
-                noise[torch.tensor(rows, device=dev)] = drawn
+        if len(rows) == b:
+            noise = exponential_noise(torch.tensor(keys), torch.tensor(draws), v, dev)
+        else:  # greedy rows take no noise (theirs is unused)
+            noise = torch.ones(b, v, dtype=torch.float32, device=dev)
+            if rows:
+                noise[torch.tensor(rows, device=dev)] = exponential_noise(
+                    torch.tensor(keys), torch.tensor(draws), v, dev)
         out = sample(logits, torch.tensor(temps, device=dev), torch.tensor(top_k, device=dev),
                      torch.tensor(top_p, device=dev), noise,
                      None if banned is None else banned.to(dev))

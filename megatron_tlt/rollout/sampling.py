@@ -166,18 +166,9 @@ class NoiseStream:
     def exponential(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:  # [n]
         return exponential_noise(*self._args(), n, device)[0]
 
-    def uniform(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:  # [n]
-        return uniform_noise(*self._args(), n, device)[0]
-
 
 def make_noise_stream(seed: int, prompt_id, sample_index: int) -> NoiseStream:
     return NoiseStream(request_seed(seed, prompt_id, sample_index))
-
-
-def draw_exponential(stream: NoiseStream, vocab_size: int,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """One [vocab] draw of Exp(1) noise from the request's stream."""
-    return stream.exponential(vocab_size, device)
 
 
 @dataclasses.dataclass

@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from megatron_tlt.errors import ConfigError
-from megatron_tlt.rollout.sampling import exponential_noise
+from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
 from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
@@ -318,12 +318,14 @@ class SpecDecoder:
                 top_p = torch.tensor([float(params[i].top_p) for i in rows], device=dev)[:, None]
                 smd = sm.to(dev)
                 probs = process_logits(logits[smd], temp, top_k, top_p)
-                coins = torch.full((sm.numel(), q), 0.5)
-                for j, i in enumerate(sm.tolist()):
-                    coins[j, :batch.num_nodes[i]] = seqs[i].rng.uniform(batch.num_nodes[i])
+                # One batched draw each (a stream's draw d is the same values however many
+                # are taken): coins past a sequence's node count are unused, set to 0.5.
                 streams = [seqs[i].rng for i in sm.tolist()]
-                noise = exponential_noise(torch.tensor([r.key for r in streams]),
-                                          torch.tensor([r.take() for r in streams]), vocab, dev)
+                keys = torch.tensor([r.key for r in streams])
+                coins = uniform_noise(keys, torch.tensor([r.take() for r in streams]), q, "cpu")
+                nodes = torch.tensor([batch.num_nodes[i] for i in sm.tolist()])
+                coins[torch.arange(q)[None, :] >= nodes[:, None]] = 0.5
+                noise = exponential_noise(keys, torch.tensor([r.take() for r in streams]), vocab, dev)
                 dp = None
                 if batch.draft_probs is not None:
                     dp = batch.draft_probs[sm].to(dev).contiguous()

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
-from megatron_tlt.rollout.sampling import draw_exponential
 from megatron_tlt.spec.decode import Drafter, draft_logprobs
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
@@ -487,7 +486,7 @@ class EagleProposer(Drafter):
                 params = seqs[i].request.sampling_params
                 if strategy.is_chain and params.temperature > 0:
                     qd = process_logits(lg[0], params.temperature, max(params.top_k, 0), params.top_p)
-                    noise = draw_exponential(seqs[i].rng, qd.shape[-1], qd.device)
+                    noise = seqs[i].rng.exponential(qd.shape[-1], qd.device)
                     tok = int(d.to_target_ids(race_sample(qd, noise).reshape(1))[0])
                     b.expand_sampled(tok, d.scatter_to_target(qd).float().cpu())
                 else:
