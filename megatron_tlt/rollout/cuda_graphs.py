@@ -46,7 +46,7 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.gpu_model import DecodeModel
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
-from megatron_tlt.rollout.triton_attention import MAX_BLOCK_M, block_n_for, choose_num_splits, num_sms
+from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 _ID, _POS, _SLOT, _CTX = 0, 1, 2, 3  # columns of the input buffer; block table from column 4
@@ -189,11 +189,8 @@ class DecodeRunner:
         eagerly: the same kernels as a decode step, Q query rows per sequence."""
         bsz, q = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
         arch = self.model.arch
-        max_ctx = meta.block_tables.shape[1] * self.cache.block_size
-        rows = q * (arch.num_heads // arch.num_kv_heads)
-        splits = choose_num_splits(bsz, arch.num_kv_heads, max_ctx, sms=num_sms(self.device),
-                                   block_n=block_n_for(self.cache.dtype),
-                                   row_tiles=-(-rows // MAX_BLOCK_M))
+        splits = splits_for(self.cache.k[0], bsz, meta.block_tables.shape[1] * self.cache.block_size,
+                            q * (arch.num_heads // arch.num_kv_heads))
         hidden: dict | None = {} if return_hidden else None
         logits = self.model.forward(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                     meta.context_lens, self.cache, num_splits=splits,

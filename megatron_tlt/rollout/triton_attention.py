@@ -226,6 +226,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms
     return max(1, min(want, tiles, max_splits))
 
 
+def splits_for(k_cache: torch.Tensor, num_seqs: int, max_context: int, query_rows: int) -> int:
+    """choose_num_splits for a call on this cache: `query_rows` = new tokens per sequence
+    x query heads per KV head (the rows one program serves, in tiles of <= MAX_BLOCK_M)."""
+    return choose_num_splits(num_seqs, k_cache.shape[2], max_context, sms=num_sms(k_cache.device),
+                             block_n=block_n_for(k_cache.dtype),
+                             row_tiles=-(-query_rows // MAX_BLOCK_M))
+
+
 def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
                     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
                     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -350,14 +358,10 @@ class TritonPagedAttention:
         head_dim = q.shape[-1]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         bsz = meta.num_seqs
-        kvh, page = k_cache.shape[2], k_cache.shape[1]
-        max_ctx = meta.block_tables.shape[1] * page
-        sms = num_sms(q.device)
-        block_n = block_n_for(k_cache.dtype)
+        group = q.shape[1] // k_cache.shape[2]
         if meta.tree_mask is not None:
             qn = meta.tree_mask.shape[1]
-            splits = choose_num_splits(bsz, kvh, max_ctx, sms=sms, block_n=block_n,
-                                       row_tiles=-(-qn * (q.shape[1] // kvh) // MAX_BLOCK_M))
+            splits = splits_for(k_cache, bsz, meta.block_tables.shape[1] * k_cache.shape[1], qn * group)
             return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                    scale=scale, query_start=meta.query_start, max_query_len=qn,
                                    tree_mask=meta.tree_mask, num_splits=splits)
@@ -367,8 +371,7 @@ class TritonPagedAttention:
         if all(n == c for n, c in zip(n_new, ctx)) and max(n_new) > 1:
             return self._prefill(q, k_cache, v_cache, meta, starts, n_new, scale)
         max_q = max(n_new)
-        splits = choose_num_splits(bsz, kvh, max(ctx), sms=sms, block_n=block_n,
-                                   row_tiles=-(-max_q * (q.shape[1] // kvh) // MAX_BLOCK_M))
+        splits = splits_for(k_cache, bsz, max(ctx), max_q * group)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                scale=scale, query_start=meta.query_start, max_query_len=max_q,
                                num_splits=splits)
