@@ -355,11 +355,11 @@ class RolloutConfig(ConfigSection):
     max_new_tokens: int = 1024
     """Maximum response tokens per sample."""
     temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
+    """Sampling temperature; 0 means greedy. The actor's log-probs use the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    """Nucleus sampling mass in (0, 1]; 1 disables it. `train` needs 1 (rl/loop.py check_sampling)."""
     top_k: int = 0
-    """Sample among the k most likely tokens; 0 disables it."""
+    """Sample among the k most likely tokens; 0 disables it. `train` needs 0 (as top_p)."""
     n_samples: int = 8
     """Samples per prompt (the GRPO group size)."""
     spec: Literal["off", "eagle", "ngram", "adaptive"] = "off"

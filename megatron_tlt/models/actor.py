@@ -65,11 +65,17 @@ def mask_padded_vocab(logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, arch: ModelArch) -> torch.Tensor:
-    """log p(label) under the full (TP-gathered) softmax; logits are vocab-parallel [b, s, V/tp]."""
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, arch: ModelArch,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) under the full (TP-gathered) softmax of logits / temperature; logits are
+    vocab-parallel [b, s, V/tp]. temperature 0 (greedy) counts as 1, as the rollout
+    engine reports it (rollout/sampling.py: `logprobs` is log_softmax(logits / T))."""
     from megatron.core import tensor_parallel
 
-    logits = mask_padded_vocab(logits.float(), arch)
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logits = mask_padded_vocab(logits, arch)
     # vocab_parallel_cross_entropy wants [s, b, v/tp] / [s, b]; it returns -log p.
     ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                       labels.transpose(0, 1).contiguous())

@@ -60,6 +60,24 @@ def check_data(cfg) -> None:
                           "it is null")
 
 
+def check_sampling(cfg) -> None:
+    """Rollout sampling the update can be exact about. The actor recomputes log-probs of
+    log_softmax(logits / T) (rl/step.py), the distribution the engine reports; top-k /
+    top-p sample from a truncated, renormalised one, which would make every PPO ratio
+    off-policy by the truncated mass. Reproducing the truncation in the actor needs a
+    full-vocabulary sort at every training position (across TP ranks for vocab-parallel
+    logits) for a setting GRPO recipes leave off, so it is refused instead."""
+    ro = cfg.rollout
+    if ro.top_k > 0:
+        raise ConfigError(f"rollout.top_k ({ro.top_k}) must be 0 for RL training: the actor's log-probs are of "
+                          "the full distribution at rollout.temperature, so top-k sampling would make the "
+                          "update off-policy; use rollout.temperature to sharpen sampling")
+    if ro.top_p < 1.0:
+        raise ConfigError(f"rollout.top_p ({ro.top_p}) must be 1.0 for RL training: the actor's log-probs are of "
+                          "the full distribution at rollout.temperature, so nucleus sampling would make the "
+                          "update off-policy; use rollout.temperature to sharpen sampling")
+
+
 @dataclasses.dataclass
 class _Prompt:
     prompt_id: str
@@ -79,6 +97,7 @@ class RLRun:
         from megatron_tlt.models.optim import OptimSettings, build_optimizer
 
         check_data(cfg)
+        check_sampling(cfg)
         self.cfg = cfg
         par = cfg.parallel
         mcore.init_parallel(par.tp, par.pp, seed=cfg.train.seed)
@@ -362,9 +381,10 @@ class RLRun:
             if not rows:
                 for mb in mbs:
                     mb.loss_mask.zero_()
-            old = actor_logprobs(self.actor, mbs)
+            temp = cfg.rollout.temperature
+            old = actor_logprobs(self.actor, mbs, temperature=temp)
             t_lp = time.perf_counter() - t0
-            ref = actor_logprobs(self.ref, mbs) if self.ref is not None else None
+            ref = actor_logprobs(self.ref, mbs, temperature=temp) if self.ref is not None else None
             ntok = torch.tensor([float(sum(mb.loss_mask.sum() for mb in mbs))], device=self.actor.device)
             nseq = torch.tensor([float(len(rows))], device=self.actor.device)
             dist.all_reduce(ntok, group=ps.get_data_parallel_group())
@@ -377,7 +397,8 @@ class RLRun:
             upd = policy_update(self.actor, self.optimizer, mbs, old,
                                 PPOLossConfig(clip_eps_low=r.clip_eps_low, clip_eps_high=r.clip_eps_high,
                                               kl_coef=r.kl_coef, aggregation=r.loss_aggregation),
-                                ref_logps=ref, global_tokens=max(float(ntok), 1.0), global_seqs=max(float(nseq), 1.0))
+                                ref_logps=ref, global_tokens=max(float(ntok), 1.0), global_seqs=max(float(nseq), 1.0),
+                                temperature=temp)
             m["t_update"] = time.perf_counter() - t1
             m["t_logprobs"] = t_lp
             m.update(upd)

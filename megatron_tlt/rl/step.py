@@ -9,6 +9,12 @@ Plain data in, plain data out, so each piece is testable alone:
 Alignment: a row is prompt + response; `tokens = row[:-1]`, `labels = row[1:]`, and
 `loss_mask` is 1 where the label is a response token, so position t scores response
 token t+1 under the context up to t.
+
+Which distribution: the actor's log-probs are of log_softmax(logits / T) with T the
+rollout temperature (`temperature`; 0, greedy, counts as 1), the distribution the engine
+samples from and reports its `logprobs` of (rollout/sampling.py), so the PPO ratio is
+on-policy at any temperature (verl divides the logits by T the same way). Top-k / top-p
+truncation is not reproduced here: the RL loop refuses it (`rl.loop.check_sampling`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class RolloutBatch:
     prompt_tokens: list[list[int]]
     response_tokens: list[list[int]]
     rollout_logprobs: list[list[float]]
-    """The engine's log-probs of each response token (same distribution as the actor's)."""
+    """The engine's log-probs of each response token: log_softmax(logits / T), the distribution
+    `actor_logprobs(..., temperature=T)` recomputes."""
     rewards: torch.Tensor  # [n] float
     advantages: Optional[torch.Tensor] = None  # [n] float
 
@@ -100,14 +107,16 @@ def make_microbatches(batch: RolloutBatch, *, seq_length: int, micro_batch_size:
 
 
 @torch.no_grad()
-def actor_logprobs(actor: Actor, mbs: list[MicroBatch]) -> Optional[list[torch.Tensor]]:
-    """Per-token log-probs [b, s] of each micro-batch (last pipeline stage; None elsewhere)."""
+def actor_logprobs(actor: Actor, mbs: list[MicroBatch], *,
+                   temperature: float = 1.0) -> Optional[list[torch.Tensor]]:
+    """Per-token log-probs [b, s] of each micro-batch under log_softmax(logits / temperature)
+    (last pipeline stage; None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     arch = actor.arch
 
     def loss_fn(logits, mb):
-        lp = token_logprobs(logits, mb.labels.to(logits.device), arch)
+        lp = token_logprobs(logits, mb.labels.to(logits.device), arch, temperature)
         return lp.sum() * 0, {"logp": lp.detach().float().cpu()}
 
     out = actor.forward_backward(mbs, loss_fn, forward_only=True)
@@ -118,10 +127,13 @@ def actor_logprobs(actor: Actor, mbs: list[MicroBatch]) -> Optional[list[torch.T
 
 def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Optional[list[torch.Tensor]],
                   cfg: PPOLossConfig, *, ref_logps: Optional[list[torch.Tensor]] = None,
-                  global_tokens: Optional[float] = None, global_seqs: Optional[float] = None) -> dict:
+                  global_tokens: Optional[float] = None, global_seqs: Optional[float] = None,
+                  temperature: float = 1.0) -> dict:
     """One optimizer step of the PPO-family loss over `mbs`. `old_logps`/`ref_logps` are
-    needed on the last pipeline stage only. `global_tokens`/`global_seqs`: the counts over
-    the whole step (all micro-batches and DP ranks) the loss is normalised by."""
+    needed on the last pipeline stage only (computed at the same `temperature`).
+    `global_tokens`/`global_seqs`: the counts over the whole step (all micro-batches and
+    DP ranks) the loss is normalised by. `temperature`: the rollout's (see the module
+    docstring)."""
     from megatron.core import parallel_state as ps
 
     arch = actor.arch
@@ -131,7 +143,7 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
 
     def loss_fn(logits, mb):
         k = mb.extra["index"]
-        lp = token_logprobs(logits, mb.labels.to(logits.device), arch)
+        lp = token_logprobs(logits, mb.labels.to(logits.device), arch, temperature)
         dev = lp.device
         mask = mb.loss_mask.to(dev)
         old = old_logps[k].to(dev)

@@ -337,3 +337,8 @@ def test_temperature_one_spec_rewards_match_off(setup, peaked, tmp_path):
                                      f"{STAT_P_MIN}")
     assert p["off_t0.7"] < STAT_P_MIN, (f"negative control: temperature 0.7 vs 1 not told apart ({counts}, "
                                         f"p={p['off_t0.7']:.2e}); the test has no power")
+    # The actor's log-probs are of the tempered distribution the engine samples from: the
+    # logged gap is summation-order noise at T=0.7 too, not the tempering the actor used to
+    # leave out (tests/unit/rl/test_step.py shows the size of that).
+    gaps = {name: max(r["train_infer_logp_gap"] for r in rows[name]) for name in rows}
+    assert all(g < 1e-4 for g in gaps.values()), f"train-inference log-prob gap per token: {gaps}"

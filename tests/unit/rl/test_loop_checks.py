@@ -8,7 +8,7 @@ import pytest
 from megatron_tlt.config import load_config
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.convert import is_conversion_of
-from megatron_tlt.rl.loop import check_data
+from megatron_tlt.rl.loop import check_data, check_sampling
 from megatron_tlt.testing import rewards
 
 
@@ -25,6 +25,14 @@ def test_check_data_names_the_field_and_value(tmp_path):
         check_data(load_config(None, [f"data.path={tmp_path}", "rl.reward=arith"]))
     with pytest.raises(ConfigError, match=r"data.path \(.*prompts.jsonl'\) needs rl.reward .*; it is null"):
         check_data(load_config(None, [f"data.path={data}"]))
+
+
+def test_check_sampling_refuses_truncated_sampling():
+    check_sampling(load_config(None, ["rollout.temperature=0.7"]))  # tempered, untruncated: fine
+    with pytest.raises(ConfigError, match=r"^rollout.top_k \(5\) must be 0 for RL training: the actor's log-probs"):
+        check_sampling(load_config(None, ["rollout.top_k=5"]))
+    with pytest.raises(ConfigError, match=r"^rollout.top_p \(0.9\) must be 1.0 for RL training"):
+        check_sampling(load_config(None, ["rollout.top_p=0.9"]))
 
 
 def test_cached_conversion_is_reused_only_for_its_source(tmp_path):
