@@ -319,9 +319,12 @@ class OptimConfig(ConfigSection):
     lr: float = 1e-6
     """Peak learning rate (Adam)."""
     min_lr: float = 0.0
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the cosine or linear decay."""
     lr_warmup_steps: int = 0
     """Linear warm-up steps from 0 to lr."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After the warm-up, decay from optim.lr to optim.min_lr at the last of train.steps
+    updates (cosine, linear), or hold optim.lr (constant); SFT and RL alike."""
     weight_decay: float = 0.01
     """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
@@ -471,8 +474,6 @@ class DataConfig(ConfigSection):
 class SFTConfig(ConfigSection):
     """Supervised fine-tuning (`megatron-tlt sft`): packing, schedule, evaluation."""
 
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay from optim.lr to optim.min_lr after optim.lr_warmup_steps of linear warm-up."""
     eval_interval: int = 50
     """Validation loss every this many steps (and at the end); 0: only at the end."""
     pack: bool = True

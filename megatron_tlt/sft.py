@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import subprocess
@@ -48,31 +47,12 @@ from megatron_tlt.config import Config
 from megatron_tlt.convert import is_conversion_of
 from megatron_tlt.data.packing import TokenizedSample, fits, pack, pack_all, tokenize_sample
 from megatron_tlt.errors import ConfigError, TLTError
+from megatron_tlt.models.optim import lr_for_step
 
 log = logging.getLogger(__name__)
 
 TINY_DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny_default")
 """The shipped tiny default policy (HF format), trained by examples/sft_tiny.yaml."""
-
-
-# ---- learning rate ---------------------------------------------------------------------
-
-def lr_at(step: int, *, total_steps: int, lr: float, min_lr: float, warmup_steps: int,
-          schedule: str) -> float:
-    """Learning rate of update `step` (0-based): linear warm-up over `warmup_steps`
-    updates (the first one at lr / warmup_steps), then cosine/linear decay to `min_lr`
-    at the last update, or constant."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return lr
-    span = max(1, total_steps - 1 - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    if schedule == "cosine":
-        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return lr - (lr - min_lr) * progress
-    raise ValueError(f"unknown lr schedule {schedule!r}")
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -264,10 +244,9 @@ class _Trainer:
         return tuple(_reduce_sum([nll, tokens], _is_loss_writer()))
 
     def train_step(self, step: int, consumed: int) -> tuple[dict, int]:
-        c, o = self.cfg, self.cfg.optim
+        c = self.cfg
         t0 = time.perf_counter()
-        lr = lr_at(step, total_steps=c.train.steps, lr=o.lr, min_lr=o.min_lr,
-                   warmup_steps=o.lr_warmup_steps, schedule=c.sft.lr_schedule)
+        lr = lr_for_step(c, step)
         self.opt.set_lr(lr)
         rows, nxt = pack(self.data.train, consumed, c.train.global_batch_size, self.seq, self.pad_id,
                          overlong=c.data.overlong, one_per_row=not c.sft.pack)

@@ -44,6 +44,33 @@ class OptimSettings:
     """Global gradient-norm clip; 0 disables."""
 
 
+def lr_at(step: int, *, total_steps: int, lr: float, min_lr: float, warmup_steps: int,
+          schedule: str) -> float:
+    """Learning rate of update `step` (0-based): linear warm-up over `warmup_steps`
+    updates (the first one at lr / warmup_steps), then cosine/linear decay to `min_lr`
+    at the last update, or constant."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    span = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return lr - (lr - min_lr) * progress
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def lr_for_step(cfg, step: int) -> float:
+    """The learning rate of update `step` (0-based) of a run configured by `cfg` (a
+    config.Config): its optim.lr / min_lr / lr_warmup_steps / lr_schedule over
+    train.steps updates. SFT and the RL loop both set it before every optimizer step."""
+    o = cfg.optim
+    return lr_at(step, total_steps=cfg.train.steps, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.lr_warmup_steps,
+                 schedule=o.lr_schedule)
+
+
 def _param_groups(params, weight_decay: float):
     decay, no_decay = [], []
     for p in params:

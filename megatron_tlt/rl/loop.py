@@ -3,7 +3,8 @@
 One step, on every rank (SPMD):
   prompts (this DP rank's share)  -> rollout on the model-parallel group's first rank,
   broadcast to its TP/PP peers    -> rewards -> group advantages (+ DAPO filter)
-  -> actor log-probs (old; and reference when KL is on) -> PPO-clip update
+  -> actor log-probs (old; and reference when KL is on) -> PPO-clip update at the
+     scheduled learning rate (optim.*, the schedule SFT uses: models/optim.py lr_for_step)
   -> weights synced into the engine in place (policy version + 1) -> metrics, checkpoint.
 
 Randomness is an input: request r of a step is sampled with the seed
@@ -333,6 +334,7 @@ class RLRun:
     def run_step(self) -> dict:
         from megatron.core import parallel_state as ps
 
+        from megatron_tlt.models.optim import lr_for_step
         from megatron_tlt.rl.advantages import group_advantages, informative_groups
         from megatron_tlt.rl.losses import PPOLossConfig
         from megatron_tlt.rl.step import RolloutBatch, actor_logprobs, make_microbatches, policy_update
@@ -394,6 +396,8 @@ class RLRun:
                 m["train_infer_logp_gap"] = float(sum(mism)) / max(float(ntok) / self.dp, 1.0)
             self.engine.sleep()
             t1 = time.perf_counter()
+            m["lr"] = lr_for_step(cfg, self.step)
+            self.optimizer.set_lr(m["lr"])
             upd = policy_update(self.actor, self.optimizer, mbs, old,
                                 PPOLossConfig(clip_eps_low=r.clip_eps_low, clip_eps_high=r.clip_eps_high,
                                               kl_coef=r.kl_coef, aggregation=r.loss_aggregation),

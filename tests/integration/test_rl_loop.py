@@ -31,6 +31,7 @@ import scipy.stats
 import torch
 
 from megatron_tlt.checkpoint import Checkpointer
+from megatron_tlt.models.optim import lr_at
 from megatron_tlt.testing.rewards import RAISE_ON_ANSWER_ENV
 from megatron_tlt.testing.tiny_models import make_tiny_hf
 
@@ -43,6 +44,8 @@ STAT_STEPS = int(os.environ.get("TLT_RL_TEST_STAT_STEPS", "2"))
 TIME_KEYS = ("time", "t_", "tokens_per_s", "gb_per_s")
 SPEC_KEYS = ("acceptance_rate", "acceptance_length", "drafted", "accepted", "fallbacks")
 NUM_PROMPTS = 40
+LR_ARGS = ("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.lr_warmup_steps=2", "optim.lr_schedule=cosine")
+"""Every run's learning-rate schedule (the resume test checks the logged lr follows it)."""
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def _train(out, hf, prompts, *extra, env=None, check=True):
             "rl.reward=megatron_tlt.testing.rewards:digit_fraction", "model.seq_length=64",
             "rollout.max_new_tokens=12", "rollout.n_samples=4", "train.global_batch_size=8",
             "train.micro_batch_size=4", f"train.steps={STEPS}", f"train.save_interval={SAVE_EVERY}",
-            "rl.num_kv_blocks=256", "optim.lr=1e-3", f"train.out_dir={out}", *extra]
+            "rl.num_kv_blocks=256", *LR_ARGS, f"train.out_dir={out}", *extra]
     log = _log(out)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     # Output to a file, not a pipe, and the run in its own session: a run killed with
@@ -165,6 +168,9 @@ def test_resume_after_kill_is_bit_identical(setup, straight, tmp_path):
     assert [r["step"] for r in a] == list(range(1, STEPS + 1))
     assert a == b  # every metric of every step, exactly (floats compared bit for bit)
     assert any(abs(r.get("pg_loss", 0.0)) > 0 for r in a), "the test reward must produce a real policy gradient"
+    # The RL loop follows optim.* like SFT: warm-up, then cosine to min_lr (resumed too).
+    want = [lr_at(s, total_steps=STEPS, lr=1e-3, min_lr=1e-4, warmup_steps=2, schedule="cosine") for s in range(STEPS)]
+    assert [r["lr"] for r in a] == want
     la, lb = _ledger(straight), _ledger(killed)
     assert la == lb
     ids = [pid for row in la for pid in row["prompt_ids"]]
@@ -313,8 +319,8 @@ def test_temperature_one_spec_rewards_match_off(setup, peaked, tmp_path):
     hf, mcore, drafter = peaked
     common = [f"model.mcore_ckpt={mcore}", "rl.reward=megatron_tlt.testing.rewards:many_distinct_chars",
               f"rollout.n_samples={STAT_SAMPLES}", f"train.global_batch_size={STAT_PROMPTS_PER_STEP * STAT_SAMPLES}",
-              "train.micro_batch_size=32", "rl.num_kv_blocks=1024", "optim.lr=1e-9", f"train.steps={STAT_STEPS}",
-              "train.save_interval=0"]
+              "train.micro_batch_size=32", "rl.num_kv_blocks=1024", "optim.lr=1e-9", "optim.min_lr=0",
+              f"train.steps={STAT_STEPS}", "train.save_interval=0"]
     runs = {"off": ["rollout.spec=off", "train.seed=11"],
             "ngram": _spec_args("ngram", drafter) + ["train.seed=12"],
             "eagle": _spec_args("eagle", drafter) + ["train.seed=13"],

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from megatron_tlt.config import config_from_dict, load_config
 from megatron_tlt.data.packing import TokenizedSample
 from megatron_tlt.errors import CheckpointError, ConfigError, TLTError
-from megatron_tlt.sft import SampleStream, lr_at
+from megatron_tlt.sft import SampleStream
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,18 +46,6 @@ def parallel():
 
 
 # ---- pure parts ---------------------------------------------------------------------
-
-def test_lr_schedule():
-    kw = dict(total_steps=10, lr=1.0, min_lr=0.1, warmup_steps=2)
-    cos = [lr_at(s, schedule="cosine", **kw) for s in range(10)]
-    assert cos[0] == 0.5 and cos[1] == 1.0 and cos[2] == 1.0 and math.isclose(cos[-1], 0.1)
-    assert all(a >= b for a, b in zip(cos[1:], cos[2:]))
-    lin = [lr_at(s, schedule="linear", **kw) for s in range(10)]
-    assert math.isclose(lin[-1], 0.1) and math.isclose(lin[5] - lin[6], lin[6] - lin[7])
-    assert [lr_at(s, schedule="constant", **kw) for s in (0, 5, 9)] == [0.5, 1.0, 1.0]
-    with pytest.raises(ValueError, match="schedule"):
-        lr_at(5, schedule="step", **kw)
-
 
 def test_sample_stream_is_a_seeded_permutation_per_epoch():
     pool = [TokenizedSample((i, i), 1) for i in range(50)]
