@@ -100,15 +100,6 @@ def _tokenizer_source(cfg: Config) -> str:
     return "tiny"
 
 
-def _tokenizer_dir(source: str) -> str:
-    """The directory whose tokenizer files are copied next to saved models."""
-    from megatron_tlt.data.tokenizer import TINY_TOKENIZER_DIR
-
-    if source == "tiny":
-        return str(TINY_TOKENIZER_DIR)
-    return source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-
-
 def _load_pairs(path: str, cfg: Config) -> list[tuple[str, str]]:
     from megatron_tlt.data.datasets import load_prompt_dataset
 
@@ -296,7 +287,7 @@ def main(cfg: Config) -> int:
     from tqdm import tqdm
 
     from megatron_tlt.checkpoint import Checkpointer
-    from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.data.tokenizer import load_tokenizer, tokenizer_dir
     from megatron_tlt.metrics import MetricsWriter
     from megatron_tlt.models import mcore
     from megatron_tlt.models.actor import Actor
@@ -366,7 +357,7 @@ def main(cfg: Config) -> int:
 
         def save(at: int) -> str:
             return ckpt.save(at, actor, optimizer, {"consumed_samples": consumed, "tokens_seen": tokens_seen,
-                                                    "data": data.signature}, tokenizer_from=_tokenizer_dir(tok_source))
+                                                    "data": data.signature}, tokenizer_from=tokenizer_dir(tok_source))
 
         try:
             if step == 0 and c.sft.eval_interval:

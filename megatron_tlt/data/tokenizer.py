@@ -181,6 +181,16 @@ def _special_map(directory: Path) -> dict[str, str] | None:
     return data if isinstance(data, dict) else None
 
 
+def tokenizer_dir(path_or_name: str | os.PathLike) -> str:
+    """The directory holding the files of what `load_tokenizer(path_or_name)` loads
+    ('tiny': the built-in one's): training runs copy them next to every saved model,
+    so `eval --ckpt` and conversion find the tokenizer there."""
+    if str(path_or_name) == "tiny":
+        return str(TINY_TOKENIZER_DIR)
+    path = os.path.abspath(os.fspath(path_or_name))
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
 def load_tokenizer(path_or_name: str | os.PathLike, *, chat_template: bool = False) -> Tokenizer:
     """Load a tokenizer, offline.
 

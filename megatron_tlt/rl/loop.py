@@ -177,9 +177,10 @@ class RLRun:
         return path
 
     def _tokenizer(self):
-        from megatron_tlt.data.tokenizer import load_tokenizer
+        from megatron_tlt.data.tokenizer import load_tokenizer, tokenizer_dir
 
         name = self.cfg.data.tokenizer or self.model_dir or self.cfg.model.mcore_ckpt
+        self.tokenizer_dir = tokenizer_dir(name)  # copied next to every saved model
         return load_tokenizer(name)
 
     def _prompts(self) -> list[_Prompt]:
@@ -432,7 +433,7 @@ class RLRun:
                                 loss=f"{m.get('pg_loss', 0):.3f}")
                 if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == total:
                     self.ckpt.save(self.step, self.actor, self.optimizer,
-                                   {"data_position": self.data_pos}, tokenizer_from=self.model_dir)
+                                   {"data_position": self.data_pos}, tokenizer_from=self.tokenizer_dir)
         self.metrics.close()
         if self.rank == 0:
             print(f"[train] done: {self.step} steps; metrics {self.metrics.path}; checkpoints {self.ckpt.root}")

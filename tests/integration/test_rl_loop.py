@@ -262,6 +262,10 @@ def test_greedy_spec_eagle_and_ngram_equal_off(setup, spec_setup, tmp_path):
     for spec in ("ngram", "eagle"):
         _assert_speculated(runs[spec], spec)
         assert _metrics(tmp_path / spec) == _metrics(tmp_path / "off"), f"greedy spec={spec} differs from off"
+    # A run started from a Megatron checkpoint (no HF directory) still saves its tokenizer
+    # beside the model, so `eval --ckpt RUN_DIR` can read it.
+    final = Checkpointer(str(tmp_path / "off")).resolve("auto")
+    assert (Path(final) / "model" / "tokenizer.json").is_file(), sorted(os.listdir(Path(final) / "model"))
 
 
 # Temperature 1. Statistic: Pearson's chi-square on the 2x2 table (run, reward 0/1) of

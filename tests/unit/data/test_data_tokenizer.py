@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_tlt.data.tasks import list_tasks, make_dataset
-from megatron_tlt.data.tokenizer import TINY_TOKENIZER_DIR, build_tiny_tokenizer, load_tokenizer
+from megatron_tlt.data.tokenizer import TINY_TOKENIZER_DIR, build_tiny_tokenizer, load_tokenizer, tokenizer_dir
 from megatron_tlt.errors import TLTError
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -79,6 +79,12 @@ def test_chat_template_used_only_when_requested(tmp_path):
     assert chat.apply_chat_template("hi") == "U: hi\nA:"
     assert chat.encode_prompt("hi") == chat.encode("U: hi\nA:")
     assert plain.encode_prompt("hi") == [1] + plain.encode("hi")
+
+
+def test_tokenizer_dir_is_where_the_files_are():
+    assert tokenizer_dir("tiny") == str(TINY_TOKENIZER_DIR)
+    assert tokenizer_dir(TINY_TOKENIZER_DIR) == str(TINY_TOKENIZER_DIR)
+    assert tokenizer_dir(TINY_TOKENIZER_DIR / "tokenizer.json") == str(TINY_TOKENIZER_DIR)
 
 
 def test_missing_path_error(tmp_path):
