@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""GRPO on the tiny default, spec=off and spec=eagle: exact-answer rate before and after.
+"""GRPO on a tiny SFT policy, spec=off and spec=eagle: exact-answer rate before and after.
 
     python tools/rl_acceptance.py [--config examples/tiny_grpo30.yaml] [--out-dir runs/rl_acceptance]
 
 Runs, each as the `megatron-tlt` command a user would type (recorded verbatim):
-  1. baseline: `eval --model <tiny default>` on the held-out sort prompts (the task the
+  0. the starting point, when --sft-steps > 0 and it is not there yet:
+     `sft --config examples/sft_tiny.yaml sft.exit_at_step=N train.out_dir=D`, the
+     shipped tiny default's own recipe stopped at step N (same data, same schedule; the
+     run is deterministic), whose checkpoint the config's model.mcore_ckpt names;
+     --sft-steps 0 starts from the shipped tiny default instead;
+  1. baseline: `eval` of the starting point on the held-out sort prompts (the task the
      config trains on) and on the default arith+sort mix;
   2. `train --config CFG rollout.spec=off` and `... rollout.spec=eagle rollout.drafter=D`
      (the shipped tiny drafter unless --drafter), each from scratch in its own out_dir;
   3. `eval --ckpt <run out_dir>` (the latest checkpoint: the final step) on the same
      prompts as the baseline.
-and writes benchmarks/results/rl_tiny_30steps_<date>.json: the commands, the git
+and writes benchmarks/results/rl_tiny_30steps_sft<N>_<date>.json: the commands, the git
 revision, the rates before/after (overall, per task, by reference length), each run's
 wall time and per-step curves (reward, lengths, rollout time, acceptance length).
 
@@ -40,6 +45,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_DEFAULT = os.path.join("megatron_tlt", "assets", "tiny_default")
+SFT_CONFIG = os.path.join("examples", "sft_tiny.yaml")
 TINY_DRAFTER = os.path.join("megatron_tlt", "assets", "tiny_drafter")
 CURVE_KEYS = ("reward_mean", "groups_kept", "len_mean", "len_max", "t_rollout", "t_update", "t_step",
               "entropy_est", "grad_norm", "acceptance_length", "acceptance_rate")
@@ -114,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="examples/tiny_grpo30.yaml")
     p.add_argument("--drafter", default=TINY_DRAFTER, help="EAGLE drafter directory for the spec=eagle run")
+    p.add_argument("--sft-steps", type=int, default=800,
+                   help=f"start from step N of {SFT_CONFIG} (run if missing); 0: the shipped tiny default")
+    p.add_argument("--sft-out", default="runs/sft_tiny_800", help="train.out_dir of that SFT run")
     p.add_argument("--out-dir", default="runs/rl_acceptance", help="run directories, eval JSONs and logs")
     p.add_argument("--tasks", default="sort", help="held-out task mix of the main figure (the trained tasks)")
     p.add_argument("--n", type=int, default=500, help="held-out prompts of the main figure")
@@ -124,12 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--specs", default="off,eagle", help="runs to make, comma separated")
     p.add_argument("--target-gain", type=float, default=10.0, help="points the acceptance item asks for")
-    p.add_argument("--json", default=None, help="default: benchmarks/results/rl_tiny_30steps_<date>.json")
+    p.add_argument("--json", default=None,
+                   help="default: benchmarks/results/rl_tiny_30steps[_sft<N>]_<date>.json")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both train runs")
     args = p.parse_args(argv)
 
     date = datetime.date.today().isoformat()
-    json_path = args.json or os.path.join(REPO, "benchmarks", "results", f"rl_tiny_30steps_{date}.json")
+    start_tag = f"_sft{args.sft_steps}" if args.sft_steps else ""
+    json_path = args.json or os.path.join(REPO, "benchmarks", "results", f"rl_tiny_30steps{start_tag}_{date}.json")
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     result = {
-        "what": "GRPO on the tiny default (CPU): held-out exact-answer rate before and after, spec=off and "
+        "what": "GRPO on a tiny SFT policy (CPU): held-out exact-answer rate before and after, spec=off and "
                 "spec=eagle",
         "acceptance_item": f"the run raises the held-out exact-answer rate by >= {args.target_gain:g} points over "
                            "the SFT starting point",
@@ -171,16 +182,36 @@ def main(argv: list[str] | None = None) -> int:
                                    ("--temperature", "1.0", "--samples", str(args.samples)))
         return got
 
+    start_overrides: list[str] = []
+    if args.sft_steps:
+        start = os.path.join(args.sft_out, "checkpoints", f"step_{args.sft_steps}", "model")
+        cmd = _cli() + ["sft", "--config", SFT_CONFIG, f"sft.exit_at_step={args.sft_steps}",
+                        f"train.out_dir={args.sft_out}"]
+        result["start"] = {"what": f"step {args.sft_steps} of the tiny default's SFT recipe ({SFT_CONFIG})",
+                           "command": _shown(cmd), "checkpoint": start}
+        if not os.path.isdir(os.path.join(REPO, start)):
+            print("== the SFT starting point", flush=True)
+            result["start"]["wall_s"] = round(_run(cmd, os.path.join(out, "sft_start.log"), env), 1)
+        else:
+            result["start"]["reused"] = True
+        # The config names this checkpoint too; saying it here makes --sft-steps/--sft-out mean what they say.
+        start_overrides = [f"model.mcore_ckpt={start}", "model.hf_path=null"]
+        which_start = ["--ckpt", start]
+    else:
+        start_overrides = ["model.mcore_ckpt=null", "model.hf_path=null"]
+        which_start = ["--model", TINY_DEFAULT]
+        result["start"] = {"what": "the shipped tiny default", "checkpoint": TINY_DEFAULT}
+
     print("== baseline (the SFT starting point)", flush=True)
-    result["baseline"] = evals(["--model", TINY_DEFAULT], "base")
+    result["baseline"] = evals(which_start, "base")
     before = result["baseline"]["main"]["overall"]["rate"]
 
     result["runs"] = {}
     for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
         run_dir = os.path.join(out, f"spec_{spec}")
         print(f"== train, rollout.spec={spec}", flush=True)
-        cmd = _cli() + ["train", "--config", args.config, f"train.out_dir={run_dir}", "train.resume=none",
-                        f"rollout.spec={spec}"]
+        cmd = _cli() + ["train", "--config", args.config, *start_overrides, f"train.out_dir={run_dir}",
+                        "train.resume=none", f"rollout.spec={spec}"]
         if spec == "eagle":
             cmd.append(f"rollout.drafter={args.drafter}")
         cmd += args.overrides
