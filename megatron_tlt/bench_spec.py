@@ -46,6 +46,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--breakdown-tokens", type=int, default=64,
+                   help="after the timed runs, one more run per (B, drafter) of this many new "
+                        "tokens with the device synchronised around each phase of the SD step, "
+                        "reported as ms per step per phase (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     args = p.parse_args(extra)
@@ -70,10 +74,11 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
     return [(str(pid), ids) for pid, ids in out[:n]]
 
 
-def _run(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
+def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
+         max_new_tokens: int | None = None) -> dict:
     from megatron_tlt.rollout import Request, SamplingParams
-    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed,
+                            max_new_tokens=max_new_tokens or args.max_new_tokens)
     reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
             for pid, ids in prompts]
     engine.spec_decoder = decoder
@@ -95,6 +100,22 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
                    num_drafts=t["num_drafts"], fallbacks=t["fallbacks"])
     return row
+
+
+def _breakdown(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
+    """Wall ms per engine step in each phase of the SD step (SpecDecoder.timings: the
+    device is synchronised around every phase, so the sum exceeds an untimed step)."""
+    decoder.timings = {}
+    try:
+        row = _run(engine, decoder, prompts, args, tag, clock,
+                   max_new_tokens=min(args.breakdown_tokens, args.max_new_tokens))
+        steps = sum(b.steps for b in decoder.metrics.buckets.values())
+        timings = decoder.timings
+    finally:
+        decoder.timings = None
+    return {"tokens": row["tokens"], "steps": steps, "wall_s": row["wall_s"],
+            "ms_per_step": {k: 1e3 * v / max(steps, 1) for k, v in timings.items()},
+            "wall_ms_per_step": 1e3 * row["wall_s"] / max(steps, 1)}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -126,8 +147,12 @@ def main(args: argparse.Namespace) -> int:
     decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name, strategy, arch, weights)
                 for name in opts.drafter_names}
     clock = _Clock(torch.device(device))
-    for mode in [None] + opts.drafter_names:  # graphs, kernels, planner, the verify extension
-        _run(engine, decoders.get(mode), prompts[:1], opts, f"warmup-{mode}", clock)
+    # Warm-up at every batch size: graphs, Triton kernels, the linear planner's row-count
+    # buckets (a verify runs B x Q rows), the verify extension; none of it in the timings.
+    for b in sorted(set(opts.batch_sizes)):
+        for mode in [None] + opts.drafter_names:
+            _run(engine, decoders.get(mode), prompts[:b], opts, f"warmup-b{b}-{mode}", clock,
+                 max_new_tokens=min(16, opts.max_new_tokens))
     rows = []
     for b in sorted(set(opts.batch_sizes)):
         runs: dict[str, list[dict]] = {m: [] for m in ["off"] + opts.drafter_names}
@@ -150,6 +175,13 @@ def main(args: argparse.Namespace) -> int:
                    if mode != "off" else "")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
                   f"{row['mean_len']:.1f}{acc}", flush=True)
+        if opts.breakdown_tokens > 0:
+            for mode in opts.drafter_names:
+                row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)
+                row["breakdown"] = _breakdown(engine, decoders[mode], prompts[:b], opts,
+                                              f"b{b}-breakdown-{mode}", clock)
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in row["breakdown"]["ms_per_step"].items())
+                print(f"B={b:>3} {mode:>5} ms per SD step: {parts}", flush=True)
     report = {"command": _command(args), "git_revision": _git_revision(), "torch": torch.__version__,
               "triton": _version("triton"),
               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -161,6 +193,9 @@ def main(args: argparse.Namespace) -> int:
                   "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
                   "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
                   "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
+                  "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
+                               "around each phase of the SD step (draft, plain, verify_forward, verify); "
+                               "ms_per_step = phase wall ms / engine steps; not part of tokens_per_s",
               },
               "results": rows, "wall_s": time.perf_counter() - start}
     if getattr(args, "json", None):

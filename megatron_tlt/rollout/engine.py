@@ -476,7 +476,10 @@ class RolloutEngine:
             if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
                 raise ValueError(f"commit_kv: accepted indices {idx.tolist()} must be strictly increasing")
             base = seq.num_computed
-            self.cache.move(seq.seq_id, base + idx, base + torch.arange(idx.numel()))
+            dst = torch.arange(idx.numel())
+            moved = idx != dst  # a chain's accepted prefix is already in place: no copy
+            if bool(moved.any()):
+                self.cache.move(seq.seq_id, base + idx[moved], base + dst[moved])
             seq.num_computed = base + idx.numel()
         seq.pending_verify = 0
 

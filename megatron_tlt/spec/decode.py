@@ -47,7 +47,9 @@ it will be re-prefilled and re-observed), `finish` is called when it is done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -95,6 +97,14 @@ def draft_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
     if params.temperature <= 0:
         return torch.log_softmax(logits.float(), dim=-1)
     return process_logits(logits, params.temperature, max(params.top_k, 0), params.top_p).log()
+
+
+def row_param(values: list, device, dtype) -> float | int | torch.Tensor:
+    """A sampling parameter of the rows of a batch: the plain number when every row has
+    the same value, else a [rows, 1] tensor."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
 
 class TargetDrafter(Drafter):
@@ -178,6 +188,24 @@ class SpecDecoder:
         self.verify_impl = verify_impl
         self._preemptions: dict[int, int] = {}
         self._warned = False
+        self.timings: dict[str, float] | None = None
+        """Set to {} to accumulate wall seconds per phase of the step (draft, plain,
+        verify_forward, verify: kernels and bookkeeping); the device is synchronised
+        around each phase, so use it for breakdowns, not for headline speed."""
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, device):
+        if self.timings is None:
+            yield
+            return
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
     def choose(self, batch_size: int) -> Strategy | None:
         return self.policy(batch_size)
@@ -227,7 +255,7 @@ class SpecDecoder:
                 caps.append(cap)
         spec, fallbacks = [], 0
         if cand:
-            with nvtx_range("spec/draft", engine.device):
+            with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 trees = self.drafter.propose(cand, strategy, caps, seqs)
             for s, t, cap in zip(cand, trees, caps):
                 if t.fallback_reason is not None:
@@ -244,7 +272,8 @@ class SpecDecoder:
                     spec.append((s, t.truncate_depth(cap)))
             spec = self._reserve(engine, spec, plain)
         if plain:
-            self._plain(engine, plain)
+            with self._phase("plain", engine.device):
+                self._plain(engine, plain)
         stats = self._verify(engine, spec) if spec else (0, 0, 0)
         self.metrics.record_step(bsz, strategy=None if strategy is None else strategy.as_dict(),
                                  num_drafts=len(spec), drafted=stats[0], accepted=stats[1],
@@ -286,78 +315,107 @@ class SpecDecoder:
         trees = [t for _, t in spec]
         vocab = engine.arch.vocab_size
         batch = TreeBatch.pack(trees, [len(s.token_ids) - 1 for s in seqs], vocab)
-        out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
-                                           batch.tree_mask, return_hidden=True)
+        with self._phase("verify_forward", engine.device):
+            out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
+                                               batch.tree_mask, return_hidden=True)
         bsz, q = batch.parents.shape
         raw = logits = out.logits.view(bsz, q, vocab)
-        hid = {"final": out.hidden_final.view(bsz, q, -1),
-               "pre_norm": out.hidden_pre_norm.view(bsz, q, -1)}
+        hid = {"final": out.hidden_final.view(bsz * q, -1),
+               "pre_norm": out.hidden_pre_norm.view(bsz * q, -1)}
         depth = batch.positions - batch.positions[:, :1]
         logits = self._ban(seqs, logits, depth)
         params = [s.request.sampling_params for s in seqs]
         dev = logits.device
         parents, draft_tokens = batch.parents.to(dev), batch.draft_tokens.to(dev)
-        greedy = torch.tensor([p.temperature <= 0 for p in params])
-        accept_index = torch.zeros(bsz, batch.max_depth + 1, dtype=torch.int64)
-        accept_len = torch.zeros(bsz, dtype=torch.int64)
-        out_tokens = torch.zeros(bsz, batch.max_depth + 1, dtype=torch.int64)
-        probs = None
-        with nvtx_range("spec/verify", engine.device):
-            g = greedy.nonzero().squeeze(1)
-            if g.numel():
-                gd = g.to(dev)
+        width = batch.max_depth + 1
+        accept_index = torch.zeros(bsz, width, dtype=torch.int64, device=dev)
+        accept_len = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        out_tokens = torch.zeros(bsz, width, dtype=torch.int64, device=dev)
+        # Processed log-probs of the emitted tokens (0.0 for greedy rows, as the plain sampler).
+        plp = torch.zeros(bsz, width, dtype=torch.float64, device=dev)
+        g = [i for i, p in enumerate(params) if p.temperature <= 0]
+        sm = [i for i, p in enumerate(params) if p.temperature > 0]
+        with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
+            if g:
+                gd = torch.tensor(g, device=dev) if len(g) < bsz else slice(None)
                 r = verify_tree_greedy(parents[gd], draft_tokens[gd], logits[gd].contiguous(),
                                        max_depth=batch.max_depth, impl=self.verify_impl)
-                accept_index[g], accept_len[g], out_tokens[g] = (
-                    r.accept_index.cpu(), r.accept_length.cpu(), r.output_tokens.cpu())
-            sm = (~greedy).nonzero().squeeze(1)
-            if sm.numel():
-                rows = sm.tolist()
-                temp = torch.tensor([float(params[i].temperature) for i in rows], device=dev)[:, None]
-                top_k = torch.tensor([max(int(params[i].top_k), 0) for i in rows], device=dev)[:, None]
-                top_p = torch.tensor([float(params[i].top_p) for i in rows], device=dev)[:, None]
-                smd = sm.to(dev)
+                accept_index[gd], accept_len[gd], out_tokens[gd] = (
+                    r.accept_index, r.accept_length, r.output_tokens)
+            if sm:
+                smd = torch.tensor(sm, device=dev) if len(sm) < bsz else slice(None)
+                # Plain numbers when every row agrees (no per-row tensors, no sorts for
+                # disabled top-k/top-p); the probabilities are the same either way.
+                temp = row_param([float(params[i].temperature) for i in sm], dev, torch.float32)
+                top_k = row_param([max(int(params[i].top_k), 0) for i in sm], dev, torch.int64)
+                top_p = row_param([float(params[i].top_p) for i in sm], dev, torch.float32)
                 probs = process_logits(logits[smd], temp, top_k, top_p)
                 # One batched draw each (a stream's draw d is the same values however many
                 # are taken): coins past a sequence's node count are unused, set to 0.5.
-                streams = [seqs[i].rng for i in sm.tolist()]
+                streams = [seqs[i].rng for i in sm]
                 keys = torch.tensor([r.key for r in streams])
                 coins = uniform_noise(keys, torch.tensor([r.take() for r in streams]), q, "cpu")
-                nodes = torch.tensor([batch.num_nodes[i] for i in sm.tolist()])
+                nodes = torch.tensor([batch.num_nodes[i] for i in sm])
                 coins[torch.arange(q)[None, :] >= nodes[:, None]] = 0.5
                 noise = exponential_noise(keys, torch.tensor([r.take() for r in streams]), vocab, dev)
                 dp = None
                 if batch.draft_probs is not None:
-                    dp = batch.draft_probs[sm].to(dev).contiguous()
+                    dp = batch.draft_probs.to(dev)[smd].contiguous()
                 r = verify_tree_rejection(parents[smd], draft_tokens[smd], probs, dp,
                                           coins.to(dev), noise.to(dev), max_depth=batch.max_depth,
                                           impl=self.verify_impl)
-                accept_index[sm], accept_len[sm], out_tokens[sm] = (
-                    r.accept_index.cpu(), r.accept_length.cpu(), r.output_tokens.cpu())
-        prob_row = {i: j for j, i in enumerate(sm.tolist())}
-        drafted = accepted = emitted = 0
+                accept_index[smd], accept_len[smd], out_tokens[smd] = (
+                    r.accept_index, r.accept_length, r.output_tokens)
+                rows = torch.arange(len(sm), device=dev)[:, None]
+                plp[smd] = probs[rows, r.accept_index.clamp(min=0),
+                                 r.output_tokens.clamp(min=0)].log().double()
+            # Reported logprobs: log_softmax(logits / T) before the min_new_tokens ban, at
+            # the node each emitted token was verified at (T = 1 for greedy), as the plain
+            # sampler reports them.
+            t_eff = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                 dtype=torch.float32, device=dev)
+            node = accept_index.clamp(min=0)
+            b_idx = torch.arange(bsz, device=dev)[:, None]
+            lps = torch.log_softmax(raw[b_idx, node].float() / t_eff[:, None, None], dim=-1)
+            lp = lps.gather(-1, out_tokens.clamp(min=0)[:, :, None])[:, :, 0]
+            # One device-to-host transfer for the whole step.
+            host = torch.cat([accept_index.double(), accept_len[:, None].double(),
+                              out_tokens.double(), lp.double(), plp], 1).cpu()
+        host_rows = host.tolist()
+        paths, rows_of = [], []
+        for b in range(bsz):
+            acc = int(host_rows[b][width])
+            path = [int(x) for x in host_rows[b][:acc + 1]]
+            paths.append(path)
+            rows_of.extend(b * q + j for j in path)
         feature = self.drafter.feature
+        wants = feature is not None or any(s.request.return_hidden_states is not None for s in seqs)
+        picked = {}
+        if wants:  # the accepted nodes' hidden states, gathered once for every sequence
+            index = torch.tensor(rows_of, device=dev)
+            kinds = {feature} | {s.request.return_hidden_states for s in seqs}
+            picked = {k: hid[k][index] for k in kinds if k is not None}
+        drafted = accepted = emitted = 0
+        off = 0
         for b, s in enumerate(seqs):
-            acc = int(accept_len[b])
-            path = accept_index[b, :acc + 1]
-            toks = out_tokens[b, :acc + 1].tolist()
+            path = paths[b]
+            acc = len(path) - 1
+            row = host_rows[b]
+            toks = [int(x) for x in row[width + 1:2 * width + 1][:acc + 1]]
+            lp_b = row[2 * width + 1:3 * width + 1]
+            plp_b = row[3 * width + 1:4 * width + 1]
             root_pos = len(s.token_ids) - 1
             engine.commit_kv(s, path)
             kind = s.request.return_hidden_states
             if kind is not None:
-                s.hidden.append(hid[kind][b, path].clone())
+                s.hidden.append(picked[kind][off:off + acc + 1].clone())
             if feature is not None:
-                self.drafter.observe(s, root_pos, hid[feature][b, path])
-            p = params[b]
-            t_eff = p.temperature if p.temperature > 0 else 1.0
-            # Reported logprobs: before the min_new_tokens ban, as the plain sampler does.
-            lps = torch.log_softmax(raw[b, path].float() / t_eff, dim=-1)
+                self.drafter.observe(s, root_pos, picked[feature][off:off + acc + 1])
+            off += acc + 1
             n_emit = 0
             for j, tok in enumerate(toks):
-                lp = float(lps[j, tok])
-                plp = 0.0 if b not in prob_row else float(probs[prob_row[b], int(path[j]), tok].log())
                 n_emit += 1
-                if engine.append_token(s, tok, lp, plp):
+                if engine.append_token(s, tok, lp_b[j], plp_b[j]):
                     break
             s.spec_stats["num_drafts"] += 1
             s.spec_stats["drafted"] += trees[b].num_drafts

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
-from megatron_tlt.spec.decode import Drafter, draft_logprobs
+from megatron_tlt.rollout.sampling import exponential_noise
+from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -476,21 +477,42 @@ class EagleProposer(Drafter):
             node_f[i][0], node_logits[i][0] = f0, lg0
         while True:
             # Expand every live builder's frontier from the logits of its frontier nodes.
-            for i, b in enumerate(builders):
-                if b.done:
-                    continue
-                lg = torch.stack([node_logits[i][n] for n in b.frontier])
-                if not bool(torch.isfinite(lg).all()):
-                    b.fail("non-finite drafter logits")
-                    continue
-                params = seqs[i].request.sampling_params
-                if strategy.is_chain and params.temperature > 0:
-                    qd = process_logits(lg[0], params.temperature, max(params.top_k, 0), params.top_p)
-                    noise = seqs[i].rng.exponential(qd.shape[-1], qd.device)
-                    tok = int(d.to_target_ids(race_sample(qd, noise).reshape(1))[0])
-                    b.expand_sampled(tok, d.scatter_to_target(qd).float().cpu())
-                else:
-                    b.expand_topk(draft_logprobs(lg, params).cpu(), d.to_target_ids)
+            # One host sync per level: which sequences' logits are finite.
+            live = [i for i, b in enumerate(builders) if not b.done]
+            if live:
+                lgs = {i: torch.stack([node_logits[i][n] for n in builders[i].frontier]) for i in live}
+                row_ok = torch.isfinite(torch.cat([lgs[i] for i in live])).all(-1).tolist()
+                ok, off = [], 0
+                for i in live:
+                    n = lgs[i].shape[0]
+                    if all(row_ok[off:off + n]):
+                        ok.append(i)
+                    else:
+                        builders[i].fail("non-finite drafter logits")
+                    off += n
+                params = {i: seqs[i].request.sampling_params for i in ok}
+                sampled = [i for i in ok if strategy.is_chain and params[i].temperature > 0]
+                if sampled:
+                    # Sampled chains, all sequences at once: the processed draft distribution,
+                    # each sequence's next noise draw (the same values as drawing alone),
+                    # the race; one host transfer for the tokens.
+                    dev = lgs[sampled[0]].device
+                    qd = process_logits(
+                        torch.cat([lgs[i] for i in sampled]),
+                        row_param([float(params[i].temperature) for i in sampled], dev, torch.float32),
+                        row_param([max(int(params[i].top_k), 0) for i in sampled], dev, torch.int64),
+                        row_param([float(params[i].top_p) for i in sampled], dev, torch.float32))
+                    streams = [seqs[i].rng for i in sampled]
+                    noise = exponential_noise(torch.tensor([r.key for r in streams]),
+                                              torch.tensor([r.take() for r in streams]),
+                                              qd.shape[-1], dev)
+                    toks = d.to_target_ids(race_sample(qd, noise)).tolist()
+                    rows = d.scatter_to_target(qd).float()
+                    for j, i in enumerate(sampled):
+                        builders[i].expand_sampled(int(toks[j]), rows[j])
+                for i in ok:
+                    if i not in sampled:
+                        builders[i].expand_topk(draft_logprobs(lgs[i], params[i]).cpu(), d.to_target_ids)
             # Forward the new frontier nodes (only where another level will be drafted).
             rows = [(i, n) for i, b in enumerate(builders) if not b.done for n in b.frontier]
             if not rows:

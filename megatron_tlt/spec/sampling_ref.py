@@ -72,22 +72,29 @@ def process_logits(
     greedy = temp == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temp).unsqueeze(-1)
 
-    # top-k on logits, ties at the boundary kept.
-    k = torch.where((k <= 0) | (k >= vocab), vocab, k)
-    sorted_logits = scaled.sort(-1, descending=True).values
-    kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    # top-k on logits, ties at the boundary kept. Skipped (the sort is the cost on a
+    # 152k vocabulary) when top_k is a plain number that disables it: k = vocab keeps all.
+    if isinstance(top_k, torch.Tensor) or 0 < top_k < vocab:
+        k = torch.where((k <= 0) | (k >= vocab), vocab, k)
+        sorted_logits = scaled.sort(-1, descending=True).values
+        kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
 
     # top-p by value: cutoff = the probability at which the descending cumsum reaches p.
-    sorted_probs = probs.sort(-1, descending=True).values
-    cumulative = sorted_probs.double().cumsum(-1)
-    position = (cumulative < p.double().unsqueeze(-1)).sum(-1, keepdim=True).clamp(max=vocab - 1)
-    cutoff = sorted_probs.gather(-1, position)
-    keep = (probs >= cutoff) | (p >= 1).unsqueeze(-1)
-    probs = torch.where(keep, probs, 0.0)
+    # Skipped when top_p is a plain number >= 1 (keeps all); the renormalisation is not,
+    # so both routes give the same numbers.
+    if isinstance(top_p, torch.Tensor) or top_p < 1:
+        sorted_probs = probs.sort(-1, descending=True).values
+        cumulative = sorted_probs.double().cumsum(-1)
+        position = (cumulative < p.double().unsqueeze(-1)).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        cutoff = sorted_probs.gather(-1, position)
+        keep = (probs >= cutoff) | (p >= 1).unsqueeze(-1)
+        probs = torch.where(keep, probs, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
 
+    if not isinstance(temperature, torch.Tensor) and temperature > 0:
+        return probs
     one_hot = torch.nn.functional.one_hot(greedy_argmax(logits.float()), vocab).float()
     return torch.where(greedy.unsqueeze(-1), one_hot, probs)
 

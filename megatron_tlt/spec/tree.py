@@ -219,7 +219,9 @@ class TreeBatch:
         tokens = torch.full((b, n), -1, dtype=torch.int64)
         # Sampled trees carry draft_probs; when a batch mixes them with one-hot trees, the
         # one-hot ones get explicit one-hot rows (the same proposal, verified the same way).
-        probs = torch.zeros(b, n, vocab) if any(t.draft_probs is not None for t in trees) else None
+        # They stay on the device the drafter produced them on.
+        with_probs = [t.draft_probs for t in trees if t.draft_probs is not None]
+        probs = torch.zeros(b, n, vocab, device=with_probs[0].device) if with_probs else None
         for i, t in enumerate(trees):
             k = len(t.tokens)
             parents[i, :k] = torch.tensor(t.parents, dtype=torch.int64)
@@ -322,7 +324,8 @@ class TreeBuilder:
             return DraftTree.failed(self.tokens[0], self.fallback_reason)
         probs = None
         if self.rows:
-            probs = torch.zeros(len(self.tokens), vocab)
+            first = next(iter(self.rows.values()))
+            probs = torch.zeros(len(self.tokens), vocab, device=first.device)
             for node, row in self.rows.items():
                 probs[node] = row
         if self.strategy.is_chain:

@@ -42,6 +42,9 @@ def test_bench_spec_cpu(tmp_path, capsys):
         else:
             assert r["speedup"] > 0 and r["acceptance_length"] >= 1.0
             assert r["repeats"][0]["num_drafts"] > 0  # SD ran
+            bd = r["breakdown"]  # the phase-timed run: the SD phases were timed
+            assert bd["steps"] > 0 and bd["ms_per_step"]["draft"] > 0
+            assert bd["ms_per_step"]["verify_forward"] > 0 and bd["ms_per_step"]["verify"] > 0
     assert "speedup" in capsys.readouterr().out
 
 
