@@ -121,6 +121,7 @@ def _breakdown(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
 def main(args: argparse.Namespace) -> int:
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout.cli import _eos_ids, _spec_decoder
+    from megatron_tlt.rollout.cuda_graphs import MAX_VERIFY_GRAPH_ROWS
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.weights import load_hf
     from megatron_tlt.spec.tree import Strategy
@@ -153,6 +154,34 @@ def main(args: argparse.Namespace) -> int:
         for mode in [None] + opts.drafter_names:
             _run(engine, decoders.get(mode), prompts[:b], opts, f"warmup-b{b}-{mode}", clock,
                  max_new_tokens=min(16, opts.max_new_tokens))
+    def save(rows: list[dict], complete: bool) -> None:
+        """The JSON report; written after every batch size too, so a cut run keeps what
+        it measured ("complete": false)."""
+        report = {"command": _command(args), "git_revision": _git_revision(), "torch": torch.__version__,
+                  "triton": _version("triton"),
+                  "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  "model": os.path.abspath(opts.model), "drafter": opts.drafter,
+                  "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
+                  "engine": {"attention_backend": "triton" if engine.decode_runner is not None else "torch",
+                             "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs")),
+                             "verify_graph_rows": MAX_VERIFY_GRAPH_ROWS},
+                  "definitions": {
+                      "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
+                      "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
+                      "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
+                      "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
+                                   "around each phase of the SD step (draft, plain, verify_forward, verify); "
+                                   "ms_per_step = phase wall ms / engine steps; not part of tokens_per_s",
+                  },
+                  "results": rows, "complete": complete, "wall_s": time.perf_counter() - start}
+        if getattr(args, "json", None):
+            d = os.path.dirname(os.path.abspath(args.json))
+            os.makedirs(d, exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+            if complete:
+                print(f"wrote {args.json}")
+
     rows = []
     for b in sorted(set(opts.batch_sizes)):
         runs: dict[str, list[dict]] = {m: [] for m in ["off"] + opts.drafter_names}
@@ -182,26 +211,6 @@ def main(args: argparse.Namespace) -> int:
                                               f"b{b}-breakdown-{mode}", clock)
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in row["breakdown"]["ms_per_step"].items())
                 print(f"B={b:>3} {mode:>5} ms per SD step: {parts}", flush=True)
-    report = {"command": _command(args), "git_revision": _git_revision(), "torch": torch.__version__,
-              "triton": _version("triton"),
-              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "model": os.path.abspath(opts.model), "drafter": opts.drafter,
-              "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
-              "engine": {"attention_backend": "triton" if engine.decode_runner is not None else "torch",
-                         "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs"))},
-              "definitions": {
-                  "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
-                  "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
-                  "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
-                  "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
-                               "around each phase of the SD step (draft, plain, verify_forward, verify); "
-                               "ms_per_step = phase wall ms / engine steps; not part of tokens_per_s",
-              },
-              "results": rows, "wall_s": time.perf_counter() - start}
-    if getattr(args, "json", None):
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+        save(rows, complete=False)
+    save(rows, complete=True)
     return 0

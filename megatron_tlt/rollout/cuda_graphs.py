@@ -38,6 +38,7 @@ What a graph holds by address, and why it stays valid:
 
 from __future__ import annotations
 
+import os
 from typing import Sequence as Seq
 
 import torch
@@ -49,6 +50,10 @@ from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_VERIFY_GRAPH_ROWS = int(os.environ.get("MEGATRON_TLT_VERIFY_GRAPH_ROWS", "256"))
+"""Largest bucket x Q served by a verify graph (its static logits buffer holds this many
+rows of the vocabulary: 156 MB at 151,936); larger verifies run eagerly. The environment
+variable sets it; 0 turns verify graphs off (to compare, or to rule them out)."""
 _ID, _POS, _SLOT, _CTX = 0, 1, 2, 3  # columns of the input buffer; block table from column 4
 _NCOL = 4
 
@@ -101,6 +106,11 @@ class DecodeRunner:
         """How many times the graphs were captured (1 + one per wake after a sleep)."""
         self.num_steps = 0
         """Decode steps served by this runner."""
+        self._vgraphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
+        self._vqs: dict[tuple[int, int], torch.Tensor] = {}
+        self._vbuf: dict[str, torch.Tensor] | None = None
+        self.num_verify_replays = 0
+        """Verify forwards served from a graph."""
 
     # ---- buckets and static inputs ------------------------------------------------------
 
@@ -185,9 +195,16 @@ class DecodeRunner:
     def verify(self, input_ids: torch.Tensor,  # [B * Q] int64
                positions: torch.Tensor,  # [B * Q] int64
                meta, *, return_hidden: bool = False) -> ForwardOutput:
-        """The speculative verify forward (tree mask) through the fused decode model,
-        eagerly: the same kernels as a decode step, Q query rows per sequence."""
+        """The speculative verify forward (tree mask) through the fused decode model: the
+        same kernels as a decode step, Q query rows per sequence. With graphs, replayed
+        from a graph per (batch bucket, Q) when bucket x Q <= MAX_VERIFY_GRAPH_ROWS
+        (captured at first use, `_verify_graph`); otherwise eager. The outputs of a
+        replay are views of static buffers, valid until the next verify."""
         bsz, q = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
+        if self.use_graphs and bsz <= self.max_batch:
+            bucket = self.bucket_for(bsz)
+            if bucket * q <= MAX_VERIFY_GRAPH_ROWS:
+                return self._verify_graph(bucket, q, input_ids, positions, meta, return_hidden)
         arch = self.model.arch
         splits = splits_for(self.cache.k[0], bsz, meta.block_tables.shape[1] * self.cache.block_size,
                             q * (arch.num_heads // arch.num_kv_heads))
@@ -200,6 +217,117 @@ class DecodeRunner:
             return ForwardOutput(logits=logits)
         return ForwardOutput(logits=logits, hidden_final=hidden["final"],
                              hidden_pre_norm=hidden["pre_norm"])
+
+    # ---- verify graphs ----------------------------------------------------------------
+
+    def _verify_buffers(self) -> dict[str, torch.Tensor]:
+        """Static inputs of the verify graphs, flat and sized for MAX_VERIFY_GRAPH_ROWS
+        rows (a graph of (bucket, Q) reads contiguous views of their first entries)."""
+        if self._vbuf is None:
+            rows, dev = MAX_VERIFY_GRAPH_ROWS, self.device
+            self._vbuf = {"ids": torch.zeros(rows, dtype=torch.int64, device=dev),
+                          "pos": torch.zeros(rows, dtype=torch.int64, device=dev),
+                          "slot": torch.full((rows,), -1, dtype=torch.int64, device=dev),
+                          "ctx": torch.ones(rows, dtype=torch.int64, device=dev),
+                          "qs": torch.zeros(rows + 1, dtype=torch.int64, device=dev),
+                          "bt": torch.zeros(rows * self.width, dtype=torch.int64, device=dev),
+                          "mask": torch.zeros(rows * MAX_VERIFY_GRAPH_ROWS, dtype=torch.bool, device=dev),
+                          "logits": torch.empty(rows, self.vocab_size, dtype=torch.float32, device=dev)}
+        return self._vbuf
+
+    def _verify_views(self, bucket: int, q: int) -> dict[str, torch.Tensor]:
+        b, n = self._verify_buffers(), bucket * q
+        return {"ids": b["ids"][:n], "pos": b["pos"][:n], "slot": b["slot"][:n],
+                "ctx": b["ctx"][:bucket], "qs": b["qs"][:bucket + 1],
+                "bt": b["bt"][:bucket * self.width].view(bucket, self.width),
+                "mask": b["mask"][:bucket * q * q].view(bucket, q, q), "logits": b["logits"][:n]}
+
+    def _fill_verify_padding(self, v: dict[str, torch.Tensor], bsz: int, q: int) -> None:
+        """Rows of padding sequences bsz.. : token 0 at position 0, no K/V write (slot -1),
+        context q (the tree part only), each query seeing only itself."""
+        n = bsz * q
+        v["ids"][n:] = 0
+        v["pos"][n:] = 0
+        v["slot"][n:] = -1
+        v["ctx"][bsz:] = q
+        v["mask"][bsz:] = torch.eye(q, dtype=torch.bool, device=self.device)
+
+    def _query_start(self, bucket: int, q: int) -> torch.Tensor:
+        qs = self._vqs.get((bucket, q))
+        if qs is None:
+            qs = self._vqs[(bucket, q)] = torch.arange(bucket + 1, dtype=torch.int64,
+                                                       device=self.device) * q
+        return qs
+
+    def _load_verify_inputs(self, v: dict[str, torch.Tensor], bucket: int, q: int,
+                            input_ids, positions, meta) -> None:
+        """Copy one verify's inputs (device tensors) into the static views; the rows of
+        the bucket's padding sequences get padding values (a larger earlier replay left
+        real slots there)."""
+        bsz, n = meta.tree_mask.shape[0], input_ids.shape[0]
+        v["ids"][:n].copy_(input_ids)
+        v["pos"][:n].copy_(positions)
+        v["slot"][:n].copy_(meta.slot_mapping)
+        v["ctx"][:bsz].copy_(meta.context_lens)
+        v["bt"][:bsz, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        v["mask"][:bsz].copy_(meta.tree_mask)
+        v["qs"].copy_(self._query_start(bucket, q))
+        self._fill_verify_padding(v, bsz, q)
+
+    def _verify_forward(self, bucket: int, q: int, v: dict[str, torch.Tensor], hidden: dict) -> None:
+        splits = splits_for(self.cache.k[0], bucket, self.width * self.cache.block_size,
+                            q * (self.model.arch.num_heads // self.model.arch.num_kv_heads))
+        self.model.forward(v["ids"], v["pos"], v["slot"], v["bt"], v["ctx"], self.cache,
+                           num_splits=splits, logits_out=v["logits"], query_start=v["qs"],
+                           tree_mask=v["mask"], hidden_out=hidden)
+
+    def _verify_graph(self, bucket: int, q: int, input_ids, positions, meta,
+                      return_hidden: bool) -> ForwardOutput:
+        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
+            self.release()  # the KV pool moved (sleep/wake): every graph is stale
+        v = self._verify_views(bucket, q)
+        key = (bucket, q)
+        if key not in self._vgraphs:
+            self._capture_verify(bucket, q, v)
+        n = input_ids.shape[0]
+        self._load_verify_inputs(v, bucket, q, input_ids, positions, meta)
+        graph, hidden = self._vgraphs[key]
+        graph.replay()
+        self.num_verify_replays += 1
+        logits = v["logits"][:n]
+        if not return_hidden:
+            return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, hidden_final=hidden["final"][:n],
+                             hidden_pre_norm=hidden["pre_norm"][:n])
+
+    def _capture_verify(self, bucket: int, q: int, v: dict[str, torch.Tensor]) -> None:
+        """Capture the verify graph of (bucket, Q) into the shared pool: a warm-up run on a
+        side stream first (Triton compilation, the linear planner's timing for this row
+        count), with every row padding so nothing is written to the KV pool."""
+        if self.cache.is_sleeping:
+            raise RuntimeError("DecodeRunner: verify while the KV cache is asleep; wake() first")
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._fill_verify_padding(v, 0, q)
+        v["qs"].copy_(self._query_start(bucket, q))
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._verify_forward(bucket, q, v, {})
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph, hidden = torch.cuda.CUDAGraph(), {}
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._verify_forward(bucket, q, v, hidden)
+        # The hidden-state outputs were allocated inside the capture: holding them keeps
+        # their memory out of later captures' reach.
+        self._vgraphs[(bucket, q)] = (graph, hidden)
+        self._kv_ptr = self.cache.k[0].data_ptr()
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def num_verify_graphs(self) -> int:
+        return len(self._vgraphs)
 
     # ---- graphs -----------------------------------------------------------------------
 
@@ -232,8 +360,12 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
-        """Drop the graphs, their memory pool and the logits buffer (engine.sleep())."""
+        """Drop the graphs (decode and verify), their memory pool and the logits buffers
+        (engine.sleep())."""
         self._graphs.clear()
+        self._vgraphs.clear()
+        self._vqs.clear()
+        self._vbuf = None
         self._pool = None
         self._logits = None
         self._kv_ptr = None

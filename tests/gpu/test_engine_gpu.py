@@ -467,6 +467,44 @@ def test_engine_verify_forward_matches_torch_backend_fp32():
     assert rel_err(logits[1], logits[0]) < 1e-4
 
 
+def test_verify_graphs_match_eager_verify_fp32():
+    """The verify forward replayed from graphs (bucket 4 x Q 5, then bucket 2 x Q 3) ==
+    the same fused kernels run eagerly: logits, hidden states and the whole KV pool (a
+    padding row that wrote K/V, or a stale slot left from the larger replay, would change
+    another sequence's cache)."""
+    dtype = torch.float32
+    arch, w = small_model(dtype, family="qwen3", tie=False)
+    runs = []
+    for graphs in (True, False):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
+        seqs = [eng.add_sequence(r) for r in requests(arch.vocab_size, [(6, 8, 0), (211, 8, 0),
+                                                                          (40, 8, 0)])]
+        out = eng.forward_pending(seqs)
+        eng.sample_and_append(seqs, out.logits)
+        out = eng.forward_pending(seqs)  # a decode step
+        eng.sample_and_append(seqs, out.logits)
+        g = torch.Generator().manual_seed(0)
+        got = []
+        for batch, q in ((3, 5), (2, 3)):
+            mask = tree_masks(batch, q, g)
+            base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
+            tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
+            o = eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1, mask,
+                                          return_hidden=True)
+            got.append((o.logits.clone(), o.hidden_final.clone(), o.hidden_pre_norm.clone()))
+        runs.append((got, eng.cache.k[0].clone(), eng.cache.v[1].clone(), eng.decode_runner))
+    (g_out, gk, gv, g_runner), (e_out, ek, ev, e_runner) = runs
+    assert g_runner.num_verify_graphs == 2 and g_runner.num_verify_replays == 2
+    assert e_runner.num_verify_replays == 0
+    for a, b in zip(g_out, e_out):
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and rel_err(x, y) < 1e-5
+    assert rel_err(gk, ek) < 1e-5 and rel_err(gv, ev) < 1e-5
+    # Negative control: the comparison sees a wrong KV entry.
+    gk[3, 0] += 1.0
+    assert rel_err(gk, ek) > 1e-3
+
+
 def test_update_weights_keeps_graphs_valid():
     """In-place update: data_ptr()s unchanged, the captured graphs decode with the NEW
     weights (== a fresh eager engine on them) and differ from the old output."""

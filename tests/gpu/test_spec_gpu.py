@@ -57,3 +57,24 @@ def test_sampling_is_seeded_on_gpu(model_dir, drafter):
     r1, _ = _run(model_dir, reqs, drafter, Strategy(depth=3))
     r2, _ = _run(model_dir, reqs, drafter, Strategy(depth=3))
     assert tokens(r1) == tokens(r2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_spec_with_verify_graphs_equals_eager_verify(model_dir, temperature):
+    """fp32, EAGLE chains: an engine whose verify forwards replay CUDA graphs (Triton
+    backend, not batch-invariant) gives the tokens of the same engine verifying eagerly
+    (same seeds; the two differ only in the attention's split-K factor)."""
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=24, seed=3)
+    out = {}
+    for graphs in (True, False):
+        arch, weights = load_hf(model_dir, device="cuda")
+        engine = RolloutEngine(arch, weights, device="cuda", max_num_seqs=8, num_blocks=64, block_size=4,
+                               attention_backend="triton", cuda_graphs=graphs)
+        engine.spec_decoder = SpecDecoder(DRAFTERS["eagle"](engine), Strategy(depth=3), verify_impl="kernel")
+        out[graphs] = (engine.generate(reqs), engine)
+    (res_g, eng_g), (res_e, eng_e) = out[True], out[False]
+    assert eng_g.decode_runner.num_verify_replays > 0 and eng_e.decode_runner.num_verify_replays == 0
+    assert eng_g.spec_decoder.metrics.summary()["total"]["num_drafts"] > 0
+    assert tokens(res_g) == tokens(res_e)
+    for a, b in zip(res_g, res_e):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)

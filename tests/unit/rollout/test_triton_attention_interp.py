@@ -281,6 +281,85 @@ def test_engine_verify_forward_tree_matches_torch_backend(fused, monkeypatch):
     torch.testing.assert_close(hidden[1], hidden[0], atol=5e-5, rtol=5e-5)
 
 
+class _Replay:
+    """Stands in for a captured graph: replay() runs the same forward on the same static
+    views (the interpreter cannot capture)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def _static_verify_capture(self, bucket, q, v):
+    hidden = {}
+    self._fill_verify_padding(v, 0, q)
+    v["qs"].copy_(self._query_start(bucket, q))
+    self._verify_forward(bucket, q, v, {})  # the warm-up: all rows padding
+
+    def replay():
+        h = {}
+        self._verify_forward(bucket, q, v, h)
+        hidden.update(h)
+    self._vgraphs[(bucket, q)] = (_Replay(replay), hidden)
+    self._kv_ptr = self.cache.k[0].data_ptr()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["padded", "no-padding-control"])
+def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
+    """The verify-graph path of the decode runner (static buffers, padding sequences, a
+    graph per (bucket, Q); replay stood in for) == the eager fused verify: logits, hidden
+    states and the KV pool, across a 4-sequence verify and then a 3-sequence
+    one in the same bucket, whose padding rows still hold the 4th sequence's slots (in
+    between, the roots are committed and a decode step writes new tokens after them).
+    Control: without re-padding, those stale rows overwrite the 4th sequence's new KV
+    with the old drafts', and the comparison must see it."""
+    from megatron_tlt.rollout.cuda_graphs import DecodeRunner
+    monkeypatch.setattr(RolloutEngine, "_fused_verify", lambda self: self.decode_runner is not None)
+    monkeypatch.setattr(DecodeRunner, "_capture_verify", _static_verify_capture)
+    if control:
+        fill = DecodeRunner._fill_verify_padding
+        monkeypatch.setattr(DecodeRunner, "_fill_verify_padding",
+                            lambda self, v, bsz, q: fill(self, v, bsz, q) if bsz == 0 else None)
+    arch = _arch("qwen3", False)
+    w = _weights(arch, seed=6)
+    runs = []
+    for static in (True, False):
+        eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4,
+                            attention_backend="triton")
+        seqs = [eng.add_sequence(r) for r in _requests(300, [(6, 8, 0), (11, 8, 0), (3, 8, 0), (9, 8, 0)])]
+        out = eng.forward_pending(seqs)
+        eng.sample_and_append(seqs, out.logits)
+        out = eng.forward_pending(seqs)  # one decode step (eager runner)
+        eng.sample_and_append(seqs, out.logits)  # the verify's root is pending
+        eng.decode_runner.use_graphs = static  # verify through the static path from here
+        g = torch.Generator().manual_seed(0)
+        got = []
+        for n, q in ((4, 3), (3, 3)):
+            chain = torch.ones(q, q, dtype=torch.bool).tril()
+            mask = chain.expand(n, q, q)
+            base = torch.tensor([s.num_computed for s in seqs[:n]])[:, None]
+            tokens = torch.randint(0, 300, (n, q), generator=g)
+            o = eng.verify_forward_output(seqs[:n], tokens, base + torch.arange(q), mask, return_hidden=True)
+            got.append((o.logits.clone(), o.hidden_final.clone()))
+            if n == 4:  # keep the roots only, then a plain decode step of new tokens
+                for s in seqs:
+                    eng.commit_kv(s, [0])
+                    eng.append_token(s, (s.token_ids[-1] + 1) % 300, 0.0, 0.0)
+                eng.decode_runner.use_graphs = False
+                eng.forward_pending(seqs)
+                eng.decode_runner.use_graphs = static
+        runs.append((got, eng.cache.k[1].clone(), eng.decode_runner))
+    (s_out, s_k, s_runner), (e_out, e_k, e_runner) = runs
+    assert s_runner.num_verify_graphs == 1 and s_runner.num_verify_replays == 2
+    assert e_runner.num_verify_replays == 0
+    for a, b in zip(s_out, e_out):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=5e-5, rtol=5e-5)
+    if control:
+        assert not torch.allclose(s_k, e_k, atol=1e-3)
+    else:
+        torch.testing.assert_close(s_k, e_k, atol=5e-5, rtol=5e-5)
+
+
 def test_runner_configuration_errors():
     assert bucket_sizes(None, 64) == [1, 2, 4, 8, 16, 32, 64]
     assert bucket_sizes(None, 100) == [1, 2, 4, 8, 16, 32, 64, 100]
