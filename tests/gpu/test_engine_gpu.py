@@ -446,18 +446,22 @@ def test_engine_triton_graphs_matches_torch_backend_fp32():
         _assert_same_or_near_tie(ref, out)
 
 
+def _prefill_and_decode(eng, arch):
+    """Three ragged sequences after their prefill and one decode step (a token pending)."""
+    seqs = [eng.add_sequence(r) for r in requests(arch.vocab_size, [(6, 8, 0), (211, 8, 0), (40, 8, 0)])]
+    for _ in range(2):
+        out = eng.forward_pending(seqs)
+        eng.sample_and_append(seqs, out.logits)
+    return seqs
+
+
 def test_engine_verify_forward_matches_torch_backend_fp32():
     dtype = torch.float32
     arch, w = small_model(dtype, family="qwen3", tie=False)
     logits = []
     for backend in ("torch", "triton"):
         eng = engine(arch, w, dtype, attention_backend=backend)
-        seqs = [eng.add_sequence(r) for r in requests(arch.vocab_size, [(6, 8, 0), (211, 8, 0),
-                                                                          (40, 8, 0)])]
-        out = eng.forward_pending(seqs)
-        eng.sample_and_append(seqs, out.logits)
-        out = eng.forward_pending(seqs)  # a decode step
-        eng.sample_and_append(seqs, out.logits)
+        seqs = _prefill_and_decode(eng, arch)
         q = 8
         g = torch.Generator().manual_seed(0)
         mask = tree_masks(len(seqs), q, g)
@@ -477,12 +481,7 @@ def test_verify_graphs_match_eager_verify_fp32():
     runs = []
     for graphs in (True, False):
         eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
-        seqs = [eng.add_sequence(r) for r in requests(arch.vocab_size, [(6, 8, 0), (211, 8, 0),
-                                                                          (40, 8, 0)])]
-        out = eng.forward_pending(seqs)
-        eng.sample_and_append(seqs, out.logits)
-        out = eng.forward_pending(seqs)  # a decode step
-        eng.sample_and_append(seqs, out.logits)
+        seqs = _prefill_and_decode(eng, arch)
         g = torch.Generator().manual_seed(0)
         got = []
         for batch, q in ((3, 5), (2, 3)):
