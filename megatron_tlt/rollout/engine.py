@@ -323,7 +323,7 @@ class RolloutEngine:
             ids.extend(seq.token_ids[lo:hi])
             pos = torch.arange(lo, hi)
             positions.append(pos)
-            slots.append(self.cache.slots(seq.seq_id, pos))
+            slots.append(self.cache.slots(seq.seq_id, pos, device="cpu"))  # one copy in _metadata
             starts.append(starts[-1] + hi - lo)
             ctx.append(hi)
         meta = self._metadata(seqs, slots, starts, ctx, tree_mask=None)
@@ -440,7 +440,7 @@ class RolloutEngine:
             base = seq.num_computed
             if not self.cache.ensure(seq.seq_id, base + q):
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {base + q} entries")
-            slots.append(self.cache.slots(seq.seq_id, torch.arange(base, base + q)))
+            slots.append(self.cache.slots(seq.seq_id, torch.arange(base, base + q), device="cpu"))
             starts.append(starts[-1] + q)
             ctx.append(base + q)
         meta = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device))

@@ -125,15 +125,16 @@ class PagedKVCache:
 
     # ---- slots ------------------------------------------------------------------------
 
-    def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
-        """Flat slot ids of cache positions `positions` ([N] int64) of `seq_id` -> [N] int64."""
+    def slots(self, seq_id: int, positions: torch.Tensor, device=None) -> torch.Tensor:
+        """Flat slot ids of cache positions `positions` ([N] int64) of `seq_id` -> [N] int64,
+        on `device` (default: the cache's)."""
         table = torch.tensor(self._tables.get(seq_id, []), dtype=torch.int64)
         positions = positions.to(torch.int64).cpu()
         if positions.numel() and int(positions.max()) >= table.numel() * self.block_size:
             raise RuntimeError(f"sequence {seq_id}: cache position {int(positions.max())} is beyond "
                                f"its {table.numel()} allocated blocks")
         return (table[positions // self.block_size] * self.block_size
-                + positions % self.block_size).to(self.device)
+                + positions % self.block_size).to(self.device if device is None else device)
 
     @torch.no_grad()
     def move(self, seq_id: int, src_positions: torch.Tensor, dst_positions: torch.Tensor) -> None:

@@ -530,13 +530,16 @@ class EagleProposer(Drafter):
                 anc = list(temp_kv[i].keys())
                 kk = torch.cat([st.k] + [temp_kv[i][m][0][None] for m in anc] + [k[mine]])
                 vv = torch.cat([st.v] + [temp_kv[i][m][1][None] for m in anc] + [v[mine]])
-                mask = torch.zeros(len(nodes), kk.shape[0], dtype=torch.bool, device=q.device)
+                # Built on the host (element writes to a device tensor are a launch each),
+                # then one copy.
+                mask = torch.zeros(len(nodes), kk.shape[0], dtype=torch.bool)
                 mask[:, :st.num_pairs] = True
                 for r, node in enumerate(nodes):
                     ancestors = self._ancestors(builders[i], node)
                     for c, m in enumerate(anc):
                         mask[r, st.num_pairs + c] = m in ancestors
                     mask[r, st.num_pairs + len(anc) + r] = True
+                mask = mask.to(q.device)
                 assert mine == list(range(off, off + len(mine)))
                 groups.append((slice(off, off + len(mine)), kk, vv, mask))
                 off += len(mine)
