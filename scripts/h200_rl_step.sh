@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One full GRPO step per rollout.spec (off, ngram, eagle) of the benchmark-scale target on
 # one H200, with the phase breakdown of each: issue "RL loop", H200 acceptance item.
-#   bash scripts/h200_rl_step.sh OUT_DIR [SFT_STEPS]
+#   bash scripts/h200_rl_step.sh OUT_DIR [SFT_STEPS] [RESULTS_DIR]
 # Stages (each skipped when its output exists, so the script can be re-run after a
 # timeout on the same machine):
 #   1. target: examples/sft_bench_1p5b.yaml for SFT_STEPS steps (default 20; the full
@@ -11,9 +11,14 @@
 #      (OUT_DIR/bench_spec.json; the speculative-decoding issue's H200 item);
 #   4. one RL step per spec mode (examples/rl_step_1p5b_h200.yaml), metrics.jsonl each;
 #   5. OUT_DIR/rl_step_h200.json: the three steps' metrics side by side.
+# RESULTS_DIR (e.g. the device tool's $OUT) receives the small outputs (bench_spec.json,
+# each run's metrics.jsonl and log tail, rl_step_h200.json) as soon as each stage ends,
+# so a run cut by a time limit keeps what it finished. SKIP_BENCH_SPEC=1 skips stage 3.
 set -euo pipefail
 OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
 SFT_STEPS=${2:-20}
+RESULTS=${3:-}
+keep() { [ -n "$RESULTS" ] && mkdir -p "$RESULTS" && cp "$@" "$RESULTS"/ 2>/dev/null; true; }
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 t0=$(date +%s)
@@ -32,12 +37,13 @@ if [ ! -f "$OUT/drafter/config.json" ]; then
       --batch-tokens 4096 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
   echo "[h200_rl_step] drafter done at $(( $(date +%s) - t0 )) s"
 fi
-if [ ! -f "$OUT/bench_spec.json" ]; then
+if [ "${SKIP_BENCH_SPEC:-0}" != 1 ] && [ ! -f "$OUT/bench_spec.json" ]; then
   echo "[h200_rl_step] SD benchmark: eagle and ngram vs off at T=0.9, batch 1/4/16/32"
   $PY -m megatron_tlt bench spec --json "$OUT/bench_spec.json" --model "$OUT/sft/hf" \
       --drafter "$OUT/drafter" --drafters eagle,ngram --batch-sizes 1,4,16,32 \
       --temperature 0.9 --max-new-tokens 256 --tasks arith,sort 2>&1 | tail -n 14
   echo "[h200_rl_step] SD benchmark done at $(( $(date +%s) - t0 )) s"
+  keep "$OUT/bench_spec.json"
 fi
 for spec in off ngram eagle; do
   if [ ! -f "$OUT/rl_$spec/metrics.jsonl" ]; then
@@ -46,7 +52,9 @@ for spec in off ngram eagle; do
     [ "$spec" = eagle ] && extra=(rollout.drafter="$OUT/drafter")
     $PY -m megatron_tlt train --config examples/rl_step_1p5b_h200.yaml \
         model.hf_path="$OUT/sft/hf" rollout.spec=$spec train.out_dir="$OUT/rl_$spec" \
-        "${extra[@]}" 2>&1 | tail -n 12
+        "${extra[@]}" 2>&1 | tail -n 12 | tee "$OUT/rl_$spec.log"
+    [ -f "$OUT/rl_$spec/metrics.jsonl" ] && cp "$OUT/rl_$spec/metrics.jsonl" "$OUT/metrics_$spec.jsonl" \
+        && keep "$OUT/metrics_$spec.jsonl" "$OUT/rl_$spec.log"
     rm -rf "$OUT/rl_$spec/checkpoints" "$OUT/rl_$spec/init_mcore"  # disk: ~24 GB per run
     echo "[h200_rl_step] spec=$spec done at $(( $(date +%s) - t0 )) s"
   fi
@@ -70,4 +78,5 @@ for spec, rows in report["steps"].items():
     print(spec, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in m.items()
                  if k.startswith(("t_", "reward_mean", "tokens_per_s", "len_p", "accept"))})
 PYEOF
+keep "$OUT/rl_step_h200.json"
 echo "[h200_rl_step] done in $(( $(date +%s) - t0 )) s"
