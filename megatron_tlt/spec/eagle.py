@@ -44,6 +44,7 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
 from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
+from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -321,30 +322,38 @@ def count_frequent_tokens(token_lists, vocab_size: int, n: int) -> torch.Tensor:
 # ---- drafting at rollout time ----------------------------------------------------------
 
 
+def _row_param(values: list, device, dtype):
+    """row_param for [rows, vocab] logits: a [rows] tensor when the rows differ (row_param's
+    [rows, 1] is for [rows, nodes, vocab]; process_logits would fail on it)."""
+    p = row_param(values, device, dtype)
+    return p[:, 0] if isinstance(p, torch.Tensor) else p
+
+
 @dataclasses.dataclass(eq=False)
 class _SeqState:
-    """The drafter's view of one sequence: KV of its committed pairs (pair t at index t,
-    contiguous) and target features observed but not yet consumed."""
-    k: torch.Tensor  # [S, kv_heads, head_dim]
-    v: torch.Tensor
-    pending: list[torch.Tensor]  # feature rows for positions S .. num_features - 1
+    """The drafter's view of one sequence: its KV slot (pair t at index t, `num_pairs`
+    committed) and target features observed but not yet consumed."""
+    slot: int
+    pending: list[torch.Tensor]  # feature rows for positions num_pairs .. num_features - 1
     num_features: int = 0
-
-    @property
-    def num_pairs(self) -> int:
-        return self.k.shape[0]
+    num_pairs: int = 0
 
 
 class EagleProposer(Drafter):
     """Drafts with an EagleDrafter for SpecDecoder.
 
     Per step, for the sequences that speculate: (1) *extend*: run the pairs of every
-    committed position not yet consumed (tokens x[t+1], target features h[t]) and append
-    their KV to the drafter's per-sequence cache (contiguous; dropped on preemption and
-    rebuilt from the re-prefill's features); the last pair's output f is the root feature
-    and its logits give depth-1 candidates; (2) one forward per deeper level over the
-    frontier nodes (token, parent's f) with tree attention to the cache plus the node's
-    drafted ancestors (their KV lives only for this step); (3) TreeBuilder picks the tree.
+    committed position not yet consumed (tokens x[t+1], target features h[t]), all
+    sequences in one forward, writing their KV into the sequence's slot of the drafter's
+    cache (drafter_kv.SlotKV; the slot is freed on preemption and rebuilt from the
+    re-prefill's features); the last pair's output f is the root feature and its logits
+    give depth-1 candidates; (2) one forward per deeper level over the frontier nodes
+    (token, parent's f) attending to the slot plus the node's drafted ancestors (their KV
+    lives only for this step); (3) TreeBuilder picks the tree.
+    Chains (topk = 1) draft all sequences at once with a fixed number of ops per level
+    (`_draft_chains`: one layer forward, one head, one batched pick of the tokens, one
+    host sync); trees go level by level per sequence (`_draft_trees`). `batched=False`
+    sends chains through the per-sequence path too (a reference for tests).
     Features observed while the sequence does not speculate (SD off, prefill) wait until
     its next speculative step, or are consumed eagerly once more than `max_pending` pile up.
     Temperature 0: top-k by log_softmax; temperature > 0: chains sample each token from
@@ -355,27 +364,28 @@ class EagleProposer(Drafter):
     name = "eagle"
     feature = "final"
 
-    def __init__(self, drafter: EagleDrafter, *, max_pending: int = 256):
+    def __init__(self, drafter: EagleDrafter, *, max_pending: int = 256, min_kv_capacity: int = 256):
         if drafter.config.fuse_layers:
             raise ConfigError("EAGLE-3 fused drafters need per-layer target hidden states, which "
                               "the rollout engine does not expose yet (only 'final')")
         t = drafter.target_embed
         self.drafter = drafter.to(device=t.device, dtype=t.dtype).eval()  # where the target runs
         self.drafter.batch_invariant = True
+        a = drafter.arch
+        self.kv = SlotKV(a.num_kv_heads, a.head_dim, t.dtype, t.device, min_capacity=min_kv_capacity)
         self.states: dict[int, _SeqState] = {}
         self.max_pending = max_pending
         """Observed features a sequence may hold before the drafter consumes them eagerly
         (during SD-off stretches features would otherwise pile up: hidden floats/token)."""
+        self.batched = True
+        """Chains drafted batched (False: per sequence, the tree path; tests' reference)."""
 
     # ---- Drafter interface ------------------------------------------------------------
 
     def _state(self, seq) -> _SeqState:
         st = self.states.get(seq.seq_id)
         if st is None:
-            a = self.drafter.arch
-            p = next(self.drafter.parameters())
-            z = torch.zeros(0, a.num_kv_heads, a.head_dim, dtype=p.dtype, device=p.device)
-            st = self.states[seq.seq_id] = _SeqState(k=z, v=z.clone(), pending=[])
+            st = self.states[seq.seq_id] = _SeqState(slot=self.kv.acquire(), pending=[])
         return st
 
     def observe(self, seq, start, hidden):
@@ -392,10 +402,13 @@ class EagleProposer(Drafter):
                 self._extend([seq], keep_last=True)  # SD off: bound the features held
 
     def release(self, seq):
-        self.states.pop(seq.seq_id, None)
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None:
+            self.kv.release(st.slot)
 
     def reset(self):
         self.states.clear()
+        self.kv.reset()
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -406,54 +419,76 @@ class EagleProposer(Drafter):
             out[sl] = attend(q[sl], kk, vv, mask, self.drafter.scale)
         return out
 
+    def _committed_kv(self, st: _SeqState) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.k[st.slot, :st.num_pairs], self.kv.v[st.slot, :st.num_pairs]
+
     @torch.no_grad()
     def _extend(self, seqs, keep_last: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Run every pair whose token is known (t + 1 < len(token_ids)) and whose feature
-        was observed, appending its KV to the sequence's cache. Returns, per index into
-        seqs that ran pairs, (f, logits) of its last pair. keep_last: leave the newest
-        observed pair for the next propose (whose root it is)."""
+        was observed, writing its KV into the sequence's slot. All sequences' pairs go
+        through one packed forward; attention runs on tiles of QUERY_TILE pairs of one
+        sequence over its slot (a fixed number of ops unless the tiles exceed the memory
+        budget of one call). Returns, per index into seqs that ran pairs, (f, logits) of
+        its last pair. keep_last: leave the newest observed pair for the next propose
+        (whose root it is)."""
         d = self.drafter
-        toks, feats, pos, sizes, states = [], [], [], [], []
-        for s in seqs:
+        a = d.arch
+        toks, pieces, take, pair_idx, slot_of = [], [], [], [], []  # per packed pair
+        tile_slot, tile_lo, dest, last_row = [], [], [], {}  # per query tile; tile row of each pair
+        base = 0  # rows of torch.cat(pieces) before this sequence's
+        for i, s in enumerate(seqs):
             st = self._state(s)
             lo = st.num_pairs
             hi = min(st.num_features - int(keep_last), len(s.token_ids) - 1)
             n = max(0, hi - lo)
-            states.append(st)
-            sizes.append(n)
+            avail = sum(p.shape[0] for p in st.pending)
             if n == 0:
                 continue
-            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            feats.append(f[:n])
-            st.pending = [f[n:]] if f.shape[0] > n else []
-            toks.append(torch.tensor(s.token_ids[lo + 1:hi + 1], dtype=torch.int64))
-            pos.append(torch.arange(lo + 1, hi + 1))
+            pieces.extend(st.pending)
+            take.extend(range(base, base + n))
+            base += avail
+            # Rows beyond the n used stay pending (only with keep_last, or features ahead
+            # of the tokens): a per-sequence copy, outside the steady state.
+            st.pending = [torch.cat(st.pending)[n:]] if avail > n else []
+            toks.extend(s.token_ids[lo + 1:hi + 1])
+            pair_idx.extend(range(lo, hi))
+            slot_of.extend([st.slot] * n)
+            for t0 in range(0, n, QUERY_TILE):
+                row0 = len(tile_slot) * QUERY_TILE
+                dest.extend(range(row0, row0 + min(QUERY_TILE, n - t0)))
+                tile_slot.append(st.slot)
+                tile_lo.append(lo + t0)
+            st.num_pairs = hi
+            last_row[i] = len(toks) - 1
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if not toks:
             return out
         p0 = next(d.parameters())
-        tokens = torch.cat(toks).to(p0.device)
-        g = d.fuse_features(torch.cat(feats).to(p0.device, p0.dtype))
-        x, q, k, v = d.layer_qkv(tokens, g, torch.cat(pos).to(p0.device))
-        groups, off = [], 0
-        for st, n in zip(states, sizes):
-            if n == 0:
-                continue
-            s_pairs = st.num_pairs
-            kk = torch.cat([st.k, k[off:off + n]])
-            vv = torch.cat([st.v, v[off:off + n]])
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            mask = torch.cat([torch.ones(n, s_pairs, dtype=torch.bool, device=q.device), causal], 1)
-            groups.append((slice(off, off + n), kk, vv, mask))
-            st.k, st.v = kk, vv
-            off += n
-        f = d.layer_out(x, self._attend_rows(q, k, v, groups))
+        dev = p0.device
+        self.kv.ensure_capacity(max(pair_idx) + 1)
+        feats = torch.cat(pieces)  # one op whatever the number of sequences
+        if len(take) != feats.shape[0]:
+            feats = feats[torch.tensor(take, device=feats.device)]
+        idx = torch.tensor([pair_idx, slot_of], dtype=torch.int64).to(dev)
+        tokens = torch.tensor(toks, dtype=torch.int64).to(dev)
+        g = d.fuse_features(feats.to(dev, p0.dtype))
+        x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
+        self.kv.write(idx[1], idx[0], k, v)
+        ntiles = len(tile_slot)
+        tiles = torch.tensor([tile_slot, tile_lo], dtype=torch.int64).to(dev)
+        dest_t = torch.tensor(dest, dtype=torch.int64).to(dev)
+        qt = q.new_zeros(ntiles * QUERY_TILE, a.num_heads, a.head_dim).index_copy_(0, dest_t, q)
+        qt = qt.view(ntiles, QUERY_TILE, a.num_heads, a.head_dim)
+        last = tiles[1][:, None] + torch.arange(QUERY_TILE, device=dev)
+        step = self.kv.max_tiles(a.num_heads)
+        o = torch.cat([self.kv.attend(qt[c:c + step], tiles[0][c:c + step], last[c:c + step], d.scale)
+                       for c in range(0, ntiles, step)]) if ntiles > step else \
+            self.kv.attend(qt, tiles[0], last, d.scale)
+        o = o.reshape(ntiles * QUERY_TILE, a.num_heads, a.head_dim).index_select(0, dest_t)
+        f = d.layer_out(x, o)
         lg = d.logits(f)
-        off = 0
-        for i, n in enumerate(sizes):
-            if n:
-                off += n
-                out[i] = (f[off - 1], lg[off - 1])
+        for i, r in last_row.items():
+            out[i] = (f[r], lg[r])
         return out
 
     @torch.no_grad()
@@ -468,6 +503,100 @@ class EagleProposer(Drafter):
             if i not in roots or st.num_pairs != len(s.token_ids) - 1:
                 builders[i].fail(f"drafter has features for {st.num_features} of "
                                  f"{len(s.token_ids) - 1} positions")
+        if strategy.is_chain and self.batched:
+            self._draft_chains(seqs, builders, roots)
+        else:
+            self._draft_trees(seqs, builders, roots, strategy)
+        return [b.result(a.vocab_size) for b in builders]
+
+    def _draft_chains(self, seqs, builders, roots) -> None:
+        """Chains of every sequence at once. Per level: pick each live row's token from its
+        logits (greedy: argmax of log_softmax, lowest id on ties; sampled: the race over the
+        processed draft distribution with the request's next noise draw, exactly the
+        per-sequence values), one host sync (tokens + finiteness), then one layer forward
+        of the rows that draft deeper, writing their KV at index num_pairs + level of their
+        slot. The only host value that changes from step to step is the number of live
+        rows (and the rows' slots / positions / noise counters, which are tensor data)."""
+        d = self.drafter
+        cur = [i for i in sorted(roots) if not builders[i].done]
+        if not cur:
+            return
+        states = [self.states[seqs[i].seq_id] for i in cur]
+        self.kv.ensure_capacity(max(st.num_pairs + builders[i].max_levels for st, i in zip(states, cur)))
+        f = torch.stack([roots[i][0] for i in cur])
+        lg = torch.stack([roots[i][1] for i in cur])
+        dev = lg.device
+        slot_t, base_t = torch.tensor([[st.slot for st in states], [st.num_pairs for st in states]]).to(dev)
+        ok_t = None  # rows whose last level wrote finite V
+        level = 0
+        while True:
+            tok, probs, sampled = self._pick_chain_tokens(seqs, cur, lg)
+            finite = torch.isfinite(lg).all(-1)
+            if ok_t is not None:
+                finite &= ok_t
+            host = torch.stack([tok, finite.long()]).tolist()  # the level's one host sync
+            for r, i in enumerate(cur):
+                if host[1][r]:
+                    builders[i].expand_chain(int(host[0][r]), probs[sampled[i]] if i in sampled else None)
+                else:
+                    builders[i].fail("non-finite drafter logits")
+                    if i in sampled:
+                        seqs[i].rng.draws -= 1  # not drawn: the stream stays where it was
+            keep = [r for r, i in enumerate(cur) if not builders[i].done]
+            if not keep:
+                return
+            if len(keep) < len(cur):
+                sel = torch.tensor(keep, device=dev)
+                tok, f, slot_t, base_t = tok[sel], f[sel], slot_t[sel], base_t[sel]
+                cur = [cur[r] for r in keep]
+            idx = base_t + level
+            x, q, k, v = d.layer_qkv(tok, f, idx + 1)
+            ok_t = torch.isfinite(v).flatten(1).all(-1)
+            # Draft V goes in through nan_to_num: the slot keeps it past this step (masked,
+            # weight exactly 0, and 0 * inf would be NaN); a row whose V was non-finite
+            # fails at the next pick via ok_t, as the per-sequence path did.
+            self.kv.write(slot_t, idx, k, torch.nan_to_num(v))
+            o = self.kv.attend(q[:, None], slot_t, idx[:, None], d.scale)[:, 0]
+            f = d.layer_out(x, o)
+            lg = d.logits(f)
+            level += 1
+
+    def _pick_chain_tokens(self, seqs, cur, lg):
+        """Draft tokens (target ids, [len(cur)] on the device) for rows `cur` with logits
+        lg; for temperature > 0 rows also the processed draft distributions (target
+        vocabulary) and {builder index: row of them}. Takes one noise draw per sampled row."""
+        d = self.drafter
+        dev = lg.device
+        params = [seqs[i].request.sampling_params for i in cur]
+        s_rows = [r for r, p in enumerate(params) if p.temperature > 0]
+        g_rows = [r for r, p in enumerate(params) if not p.temperature > 0]
+        tok = probs = None
+        if g_rows:
+            lg_g = lg if not s_rows else lg[torch.tensor(g_rows, device=dev)]
+            tok = torch.log_softmax(lg_g.float(), dim=-1).argmax(-1)  # first max = lowest id
+        if s_rows:
+            lg_s = lg if not g_rows else lg[torch.tensor(s_rows, device=dev)]
+            sp = [params[r] for r in s_rows]
+            qd = process_logits(lg_s,
+                                _row_param([float(p.temperature) for p in sp], dev, torch.float32),
+                                _row_param([max(int(p.top_k), 0) for p in sp], dev, torch.int64),
+                                _row_param([float(p.top_p) for p in sp], dev, torch.float32))
+            streams = [seqs[cur[r]].rng for r in s_rows]
+            noise = exponential_noise(torch.tensor([s.key for s in streams]),
+                                      torch.tensor([s.take() for s in streams]), qd.shape[-1], dev)
+            tok_s = race_sample(qd, noise)
+            probs = d.scatter_to_target(qd).float()
+            if tok is None:
+                tok = tok_s
+            else:
+                tok = torch.empty(len(cur), dtype=torch.int64, device=dev) \
+                    .index_put_((torch.tensor(g_rows, device=dev),), tok) \
+                    .index_put_((torch.tensor(s_rows, device=dev),), tok_s)
+        return d.to_target_ids(tok), probs, {cur[r]: j for j, r in enumerate(s_rows)}
+
+    def _draft_trees(self, seqs, builders, roots, strategy) -> None:
+        """Level by level with per-sequence attention (trees; chains when not batched)."""
+        d = self.drafter
         states = [self.states[s.seq_id] for s in seqs]
         # (2) the tree, level by level. Node features f per builder node; temp KV per node.
         node_f: list[dict[int, torch.Tensor]] = [dict() for _ in seqs]
@@ -499,9 +628,9 @@ class EagleProposer(Drafter):
                     dev = lgs[sampled[0]].device
                     qd = process_logits(
                         torch.cat([lgs[i] for i in sampled]),
-                        row_param([float(params[i].temperature) for i in sampled], dev, torch.float32),
-                        row_param([max(int(params[i].top_k), 0) for i in sampled], dev, torch.int64),
-                        row_param([float(params[i].top_p) for i in sampled], dev, torch.float32))
+                        _row_param([float(params[i].temperature) for i in sampled], dev, torch.float32),
+                        _row_param([max(int(params[i].top_k), 0) for i in sampled], dev, torch.int64),
+                        _row_param([float(params[i].top_p) for i in sampled], dev, torch.float32))
                     streams = [seqs[i].rng for i in sampled]
                     noise = exponential_noise(torch.tensor([r.key for r in streams]),
                                               torch.tensor([r.take() for r in streams]),
@@ -528,8 +657,9 @@ class EagleProposer(Drafter):
                 nodes = [rows[r][1] for r in mine]
                 st = states[i]
                 anc = list(temp_kv[i].keys())
-                kk = torch.cat([st.k] + [temp_kv[i][m][0][None] for m in anc] + [k[mine]])
-                vv = torch.cat([st.v] + [temp_kv[i][m][1][None] for m in anc] + [v[mine]])
+                ck, cv = self._committed_kv(st)
+                kk = torch.cat([ck] + [temp_kv[i][m][0][None] for m in anc] + [k[mine]])
+                vv = torch.cat([cv] + [temp_kv[i][m][1][None] for m in anc] + [v[mine]])
                 # Built on the host (element writes to a device tensor are a launch each),
                 # then one copy.
                 mask = torch.zeros(len(nodes), kk.shape[0], dtype=torch.bool)
@@ -548,7 +678,6 @@ class EagleProposer(Drafter):
             for r, (i, n) in enumerate(rows):
                 node_f[i][n], node_logits[i][n] = f[r], lg[r]
                 temp_kv[i][n] = (k[r], v[r])
-        return [b.result(a.vocab_size) for b in builders]
 
     @staticmethod
     def _depth(b, node: int) -> int:

@@ -313,9 +313,15 @@ class TreeBuilder:
     def expand_sampled(self, token: int, draft_row: torch.Tensor) -> None:
         """Chains at temperature > 0: the child token drawn from draft_row ([vocab], the
         processed draft distribution in the target vocabulary)."""
+        self.expand_chain(token, draft_row)
+
+    def expand_chain(self, token: int, draft_row: torch.Tensor | None = None) -> None:
+        """Chains: append the child `token` (greedy: the draft argmax, lowest id on ties,
+        what expand_topk picks; sampled: drawn from draft_row). Chain scores are unused."""
         (f,) = self.frontier
         node = self._add(token, f, 0.0)
-        self.rows[node] = draft_row
+        if draft_row is not None:
+            self.rows[node] = draft_row
         self.frontier = [node]
         self.level += 1
 

@@ -216,3 +216,116 @@ def test_load_errors_name_the_problem(engines, spec_models, tmp_path):
         validate_drafter_dir(str(tmp_path / "nope"))
     with pytest.raises(CheckpointError, match="not a megatron_tlt drafter"):
         validate_drafter_dir(spec_models["qwen2"])  # a target model, not a drafter
+
+
+def _ragged_batch(e, temps, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    seqs, feats = [], []
+    for sid, (t, n) in enumerate(zip(temps, lengths)):
+        toks = torch.randint(e.arch.vocab_size, (n + 4,), generator=g).tolist()
+        seqs.append((sid, toks, t))
+        feats.append(torch.randn(n + 3, e.arch.hidden_size, generator=g))
+    return seqs, feats
+
+
+def _draft_steps(d, seqs, feats, groups, caps, batched=True):
+    """Three propose steps (the sequences growing by 1, 3 and 2 tokens in between: ragged
+    pending pairs) for each group of sequence indices, each group on its own proposer.
+    Returns per sequence the list of its trees."""
+    out = {}
+    for group in groups:
+        prop = EagleProposer(d)
+        prop.batched = batched
+        fake = {i: _fake_seq(seqs[i][0], seqs[i][1][:len(seqs[i][1]) - 4], temperature=seqs[i][2], seed=7)
+                for i in group}
+        for i in group:
+            prop.observe(fake[i], 0, feats[i][:len(fake[i].token_ids) - 1])
+        for grow in (0, 1, 3):
+            for i in group:
+                if grow:
+                    n0 = len(fake[i].token_ids)
+                    fake[i].token_ids = seqs[i][1][:n0 + grow]
+                    prop.observe(fake[i], n0 - 1, feats[i][n0 - 1:n0 - 1 + grow])
+            trees = prop.propose([fake[i] for i in group], Strategy(depth=4), [caps[i] for i in group],
+                                 [fake[i] for i in group])
+            for i, t in zip(group, trees):
+                out.setdefault(i, []).append(t)
+    return out
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 48])
+def test_batched_chains_equal_each_sequence_alone(engines, draft_vocab):
+    """Chains of a batch of 5 ragged sequences (different lengths, pending pairs, caps,
+    greedy and sampled rows) are bit for bit the chains of each sequence drafted alone
+    (tokens and draft probabilities), and agree with the per-sequence path (batched=False:
+    attention over exactly len keys, so equal up to rounding)."""
+    e = engines["qwen2"]
+    d = random_eagle(e, seed=4, draft_vocab=draft_vocab)
+    seqs, feats = _ragged_batch(e, [0.0, 0.9, 0.0, 1.0, 0.7], [3, 11, 6, 20, 8], seed=1)
+    caps = [4, 2, 4, 3, 1]
+    with torch.no_grad():
+        batch = _draft_steps(d, seqs, feats, [list(range(5))], caps)
+        alone = _draft_steps(d, seqs, feats, [[i] for i in range(5)], caps)
+        ref = _draft_steps(d, seqs, feats, [list(range(5))], caps, batched=False)
+    for i in range(5):
+        for step, (tb, ta, tr) in enumerate(zip(batch[i], alone[i], ref[i])):
+            assert tb.fallback_reason is None and tb.num_drafts == caps[i], (i, step)
+            assert tb.tokens == ta.tokens and tb.parents == ta.parents, (i, step)
+            assert (tb.draft_probs is None) == (seqs[i][2] == 0.0)
+            if tb.draft_probs is not None:
+                assert torch.equal(tb.draft_probs, ta.draft_probs), (i, step)
+            assert tb.tokens == tr.tokens, (i, step)
+            if tb.draft_probs is not None:
+                torch.testing.assert_close(tb.draft_probs, tr.draft_probs, rtol=0, atol=1e-5)
+
+
+def _count_ops(fn):
+    from torch.overrides import TorchFunctionMode
+    import torch.nn.functional as F
+
+    counts = {"cat": 0, "linear": 0}
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.cat:
+                counts["cat"] += 1
+            elif func is F.linear:
+                counts["linear"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_chain_op_count_does_not_grow_with_batch(engines, temperature):
+    """torch.cat / linear calls of one propose (one pair pending per sequence, depth 4)
+    are the same for 1 and for 8 sequences; the per-sequence path (negative control)
+    grows. (Up to 16 rows per linear: the drafter's batch-invariant linear runs one call
+    per 16-row tile.)"""
+    e = engines["llama"]
+    d = random_eagle(e, seed=5)
+
+    def counts(batch, batched):
+        prop = EagleProposer(d)
+        prop.batched = batched
+        g = torch.Generator().manual_seed(3)
+        seqs = []
+        for sid in range(batch):
+            toks = torch.randint(e.arch.vocab_size, (10,), generator=g).tolist()
+            s = _fake_seq(sid, toks[:9], temperature=temperature, seed=1)
+            f = torch.randn(9, e.arch.hidden_size, generator=g)
+            prop.observe(s, 0, f[:8])
+            with torch.no_grad():
+                prop.propose([s], Strategy(depth=4), [4], [s])
+            s.token_ids = toks
+            prop.observe(s, 8, f[8:])
+            seqs.append(s)
+        c = _count_ops(lambda: prop.propose(seqs, Strategy(depth=4), [4] * batch, seqs))
+        return c
+
+    one, eight = counts(1, True), counts(8, True)
+    assert one == eight, (one, eight)
+    ref_one, ref_eight = counts(1, False), counts(8, False)
+    assert ref_eight["cat"] > ref_one["cat"], (ref_one, ref_eight)

@@ -1,0 +1,122 @@
+"""The EAGLE drafter's KV cache at rollout time: one slot per sequence in preallocated
+buffers, and attention of a batch of query tiles over whole slots.
+
+Layout: K and V are [num_slots, capacity, kv_heads, head_dim]; a sequence owns one slot,
+its committed pair t at index t, and a draft level's node at depth d at index
+num_pairs + d - 1 (temporary: the next step's pairs overwrite it). Slot 0.. are handed out
+lowest first; a released slot goes back to the free list and is zeroed when taken again.
+
+Sizing: both dimensions grow geometrically (powers of two, `min_capacity` at least) and
+never shrink. The proposer is built without the engine's limits (EagleProposer(drafter)),
+and a fixed max_num_seqs x max_model_len allocation would be paid even by tests and by
+short rollouts; doubling costs O(log) copies over a run, and between growths the shapes
+are static (what a CUDA graph needs). The capacity is at most twice the longest sequence
+seen (a 1.5B-shaped drafter: 2 KV heads x 128 x 2 (K, V) x 2 bytes = 1 KiB per token, so
+256 sequences x 4096 tokens = 1 GiB; bf16 on the GPU).
+
+Numerics: every query attends over the slot's whole capacity with a mask (masked
+scores are -inf, so their softmax weights are exactly 0 and V there must be finite:
+fresh and released slots are zero, draft-level V is written through nan_to_num). The
+shapes of one query's reductions then depend only on the capacity, not on the batch
+or on its own length, so a sequence drafts the same bits alone as in any batch of the
+same capacity. They are NOT the bits of the former per-sequence attention over exactly
+len keys: CPU BLAS picks its kernel and reduction blocking from the key count (measured:
+q @ k^T, the softmax sum and p @ v over len keys differ in the last ulp from the same
+over len + zero-padded keys), so no padded, batched form can reproduce them.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+QUERY_TILE = 16
+"""Query rows per tile in batched extends (a sequence's pending pairs, padded)."""
+
+
+class SlotKV:
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
+                 min_capacity: int = 256):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.min_capacity = min_capacity
+        self.k = torch.zeros(0, min_capacity, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = self.k.clone()
+        self._free: list[int] = []  # heap
+        self._next = 0  # slots below were handed out at least once
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def acquire(self) -> int:
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self.k[slot].zero_()
+            self.v[slot].zero_()
+            return slot
+        slot = self._next
+        self._next += 1
+        if slot >= self.num_slots:
+            self._grow(max(8, 2 * self.num_slots), self.capacity)
+        return slot
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def reset(self) -> None:
+        """Every slot free (zeroed when taken again); the buffers stay allocated."""
+        self._free = list(range(self._next))
+        heapq.heapify(self._free)
+
+    def ensure_capacity(self, length: int) -> None:
+        """Room for indices < length in every slot."""
+        if length > self.capacity:
+            cap = self.capacity
+            while cap < length:
+                cap *= 2
+            self._grow(self.num_slots, cap)
+
+    def _grow(self, slots: int, cap: int) -> None:
+        k = torch.zeros(slots, cap, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        n, c = self.k.shape[:2]
+        k[:n, :c] = self.k
+        v[:n, :c] = self.v
+        self.k, self.v = k, v
+
+    def write(self, slots: torch.Tensor, index: torch.Tensor,  # [T] int64 each
+              k: torch.Tensor, v: torch.Tensor) -> None:  # [T, kv_heads, head_dim]
+        self.k.index_put_((slots, index), k)
+        self.v.index_put_((slots, index), v)
+
+    def attend(self, q: torch.Tensor,  # [N, Tq, heads, head_dim], RoPE applied
+               slots: torch.Tensor,  # [N] int64: the slot each query tile reads
+               last: torch.Tensor,  # [N, Tq] int64: query row sees keys 0..last
+               scale: float) -> torch.Tensor:  # [N, Tq, heads, head_dim]
+        """Masked GQA attention of each tile over its slot's whole capacity (query head h
+        reads KV head h // (H / KVH)). A fixed number of ops whatever N."""
+        n, tq, h, d = q.shape
+        kvh = self.kv_heads
+        rep = h // kvh
+        cap = self.capacity
+        k = self.k.index_select(0, slots)  # [N, cap, KVH, D]
+        v = self.v.index_select(0, slots)
+        qg = q.reshape(n, tq, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, tq * rep, d)
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [N, KVH, Tq*rep, cap]
+        seen = torch.arange(cap, device=q.device) <= last[..., None]  # [N, Tq, cap]
+        seen = seen[:, None, :, None, :].expand(n, kvh, tq, rep, cap).reshape(n, kvh, tq * rep, cap)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [N, KVH, Tq*rep, D]
+        return out.reshape(n, kvh, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(n, tq, h, d)
+
+    def max_tiles(self, heads: int) -> int:
+        """Query tiles per attend call that keep its temporaries near 2^26 elements."""
+        per_tile = self.capacity * (2 * self.kv_heads * self.head_dim + 2 * QUERY_TILE * heads)
+        return max(1, (1 << 26) // per_tile)
