@@ -329,3 +329,35 @@ def test_batched_chain_op_count_does_not_grow_with_batch(engines, temperature):
     assert one == eight, (one, eight)
     ref_one, ref_eight = counts(1, False), counts(8, False)
     assert ref_eight["cat"] > ref_one["cat"], (ref_one, ref_eight)
+
+
+def test_drafter_kv_slots_grow_release_and_reset(engines):
+    """Slots and capacity grow by doubling with the content kept (drafts still agree with
+    the per-sequence path); a released slot is reused (lowest first) and zeroed; reset
+    frees every slot."""
+    e = engines["qwen3"]
+    d = random_eagle(e, seed=6)
+    seqs, feats = _ragged_batch(e, [0.0, 0.8, 0.0], [5, 9, 13], seed=2)
+    caps = [4, 4, 3]
+    with torch.no_grad():
+        ref = _draft_steps(d, seqs, feats, [[0, 1, 2]], caps, batched=False)
+        prop = EagleProposer(d, min_kv_capacity=4)
+        fake = [_fake_seq(sid, toks[:len(toks) - 4], temperature=t, seed=7) for sid, toks, t in seqs]
+        for s, f in zip(fake, feats):
+            prop.observe(s, 0, f[:len(s.token_ids) - 1])
+        trees = prop.propose(fake, Strategy(depth=4), caps, fake)
+    assert prop.kv.capacity == 16 and prop.kv.num_slots == 8  # 13 + 4 drafts > 8
+    for i, t in enumerate(trees):
+        assert t.tokens == ref[i][0].tokens
+        if t.draft_probs is not None:
+            torch.testing.assert_close(t.draft_probs, ref[i][0].draft_probs, rtol=0, atol=1e-5)
+    slot1 = prop.states[1].slot
+    assert float(prop.kv.k[slot1].abs().sum()) > 0
+    prop.release(fake[1])
+    late = _fake_seq(9, [1, 2, 3])
+    prop.observe(late, 0, torch.randn(2, e.arch.hidden_size))
+    assert prop.states[9].slot == slot1 and float(prop.kv.k[slot1].abs().sum()) == 0
+    prop.reset()
+    assert not prop.states
+    prop.observe(late, 0, torch.randn(2, e.arch.hidden_size))
+    assert prop.states[9].slot == 0 and float(prop.kv.v[0].abs().sum()) == 0
