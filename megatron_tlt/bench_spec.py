@@ -102,6 +102,14 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     return row
 
 
+def _verify_graph_rows(engine) -> int | None:
+    """Largest verify served from a CUDA graph (None: no decode runner, i.e. no Triton)."""
+    if engine.decode_runner is None:
+        return None
+    from megatron_tlt.rollout.cuda_graphs import MAX_VERIFY_GRAPH_ROWS  # needs triton
+    return MAX_VERIFY_GRAPH_ROWS
+
+
 def _breakdown(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
     """Wall ms per engine step in each phase of the SD step (SpecDecoder.timings: the
     device is synchronised around every phase, so the sum exceeds an untimed step)."""
@@ -121,7 +129,6 @@ def _breakdown(engine, decoder, prompts, args, tag: str, clock: _Clock) -> dict:
 def main(args: argparse.Namespace) -> int:
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout.cli import _eos_ids, _spec_decoder
-    from megatron_tlt.rollout.cuda_graphs import MAX_VERIFY_GRAPH_ROWS
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.weights import load_hf
     from megatron_tlt.spec.tree import Strategy
@@ -164,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
                   "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
                   "engine": {"attention_backend": "triton" if engine.decode_runner is not None else "torch",
                              "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs")),
-                             "verify_graph_rows": MAX_VERIFY_GRAPH_ROWS},
+                             "verify_graph_rows": _verify_graph_rows(engine)},
                   "definitions": {
                       "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
                       "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
