@@ -108,6 +108,7 @@ class DecodeRunner:
         """Decode steps served by this runner."""
         self._vgraphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._vqs: dict[tuple[int, int], torch.Tensor] = {}
+        self._veye: dict[int, torch.Tensor] = {}  # padding sequences' tree mask per Q
         self._vbuf: dict[str, torch.Tensor] | None = None
         self.num_verify_replays = 0
         """Verify forwards served from a graph."""
@@ -250,7 +251,10 @@ class DecodeRunner:
         v["pos"][n:] = 0
         v["slot"][n:] = -1
         v["ctx"][bsz:] = q
-        v["mask"][bsz:] = torch.eye(q, dtype=torch.bool, device=self.device)
+        eye = self._veye.get(q)
+        if eye is None:
+            eye = self._veye[q] = torch.eye(q, dtype=torch.bool, device=self.device)
+        v["mask"][bsz:] = eye
 
     def _query_start(self, bucket: int, q: int) -> torch.Tensor:
         qs = self._vqs.get((bucket, q))
