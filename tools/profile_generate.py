@@ -1,0 +1,145 @@
+"""Where the wall time of `RolloutEngine.generate` goes on a GPU: plain sampled decoding and
+EAGLE speculative decoding, on a random-weight model of a benchmark shape.
+
+    python tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
+
+Per batch size:
+- plain decode ms per step at --temperature (wall of a long run minus a short run, over
+  the difference in steps: prefill and warm-up cancel), against the graph replay alone
+  (DecodeRunner.run on the same bucket): the difference is host work and sampling;
+- the same for EAGLE (random one-layer drafter, draft vocabulary 128, chain depth 4) with
+  SpecDecoder.timings (device synchronised around each phase);
+- cProfile of one plain and one SD run: the top functions by own time (host work).
+Random weights: acceptance is meaningless here; the per-phase costs are what is measured.
+Not a benchmark of speedups (bench spec is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+from megatron_tlt.bench import SHAPES, random_weights
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
+from megatron_tlt.rollout.request import Request
+from megatron_tlt.rollout.sampling import SamplingParams
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _requests(tag, prompts, temperature, new):
+    return [Request(prompt_id=f"{tag}-{i}", prompt_token_ids=p,
+                    sampling_params=SamplingParams(temperature=temperature, max_new_tokens=new,
+                                                   seed=0))
+            for i, p in enumerate(prompts)]
+
+
+def _wall(engine, decoder, prompts, temperature, new, tag):
+    engine.spec_decoder = decoder
+    if decoder is not None:
+        decoder.metrics.reset()
+    _sync()
+    t0 = time.perf_counter()
+    res = engine.generate(_requests(tag, prompts, temperature, new))
+    _sync()
+    wall = time.perf_counter() - t0
+    steps = None
+    if decoder is not None:
+        steps = sum(b.steps for b in decoder.metrics.buckets.values())
+    return wall, sum(len(r.token_ids) for r in res), steps
+
+
+def _top(prof: cProfile.Profile, n: int) -> str:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    return s.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--json", default=None)
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args()
+    from megatron_tlt.spec.decode import SpecDecoder
+    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
+    from megatron_tlt.spec.tree import Strategy
+
+    arch = ModelArch(**SHAPES[a.shape])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = random_weights(arch, dtype=dt, device=dev, seed=0)
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    max_b = max(sizes)
+    short, long_ = 8, 72
+    page = 16
+    max_len = a.prompt_len + long_ + 16
+    engine = RolloutEngine(arch, w, max_num_seqs=max_b, block_size=page,
+                           num_blocks=max_b * (-(-max_len // page)) + 8, dtype=dt,
+                           device=dev, max_model_len=max_len, eos_token_ids=(), seed=0,
+                           **fast_path_options(dev))
+    cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
+    drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
+    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (a.prompt_len,), generator=g).tolist() for _ in range(max_b)]
+    report = {"shape": a.shape, "temperature": a.temperature, "results": []}
+    for b in sizes:
+        ps = prompts[:b]
+        row = {"batch": b}
+        for mode, dec in (("off", None), ("eagle", decoder)):
+            _wall(engine, dec, ps, a.temperature, 16, f"warm-{mode}-{b}")  # graphs, planner
+            w_s, tok_s, st_s = _wall(engine, dec, ps, a.temperature, short, f"s-{mode}-{b}")
+            w_l, tok_l, st_l = _wall(engine, dec, ps, a.temperature, long_, f"l-{mode}-{b}")
+            if dec is None:
+                row["off_ms_per_step"] = 1e3 * (w_l - w_s) / (long_ - short)
+            else:
+                row["eagle_ms_per_step"] = 1e3 * (w_l - w_s) / max(st_l - st_s, 1)
+                row["eagle_tokens_per_step"] = (tok_l - tok_s) / max(st_l - st_s, 1) / b
+                dec.timings = {}
+                _, _, st = _wall(engine, dec, ps, a.temperature, long_, f"t-{mode}-{b}")
+                row["eagle_phase_ms_per_step"] = {k: 1e3 * v / st for k, v in dec.timings.items()}
+                dec.timings = None
+            prof = cProfile.Profile()
+            prof.enable()
+            _wall(engine, dec, ps, a.temperature, long_, f"p-{mode}-{b}")
+            prof.disable()
+            row[f"{mode}_cprofile"] = _top(prof, a.top)
+        # graph replay alone at this bucket (the decode forward without host work)
+        runner = engine.decode_runner
+        if runner is None:  # CPU: no graph path
+            report["results"].append(row)
+            continue
+        bucket = runner.bucket_for(b)
+        for _ in range(3):
+            runner.run(bucket)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            runner.run(bucket)
+        _sync()
+        row["graph_replay_ms"] = 1e3 * (time.perf_counter() - t0) / 50
+        report["results"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("cprofile")}), flush=True)
+        for k in ("off_cprofile", "eagle_cprofile"):
+            print(f"---- B={b} {k}\n{row[k]}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
