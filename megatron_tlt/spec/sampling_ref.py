@@ -48,7 +48,12 @@ def _check(name: str, value: Param, ok, what: str) -> None:
 
 
 def _per_row(value: Param, shape: torch.Size, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=dtype, device=device).expand(shape)
+    # A plain number is filled on the device (a kernel), never copied from the host: a
+    # host-to-device copy is not allowed while a CUDA graph is being captured. Same
+    # values: fill_ and as_tensor round the number to `dtype` alike.
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype=dtype, device=device).expand(shape)
+    return torch.full(shape, value, dtype=dtype, device=device)
 
 
 def process_logits(
