@@ -45,6 +45,8 @@ from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
 from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
 from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV
+from megatron_tlt.spec.eagle_graph import ChainGraphs
+from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -218,8 +220,16 @@ class EagleDrafter(nn.Module):
         if self.draft_to_target is None:
             return w
         key = (w.data_ptr(), w._version)
-        if self._head_cache is None or self._head_cache[:2] != key:
-            self._head_cache = (key[0], key[1], w.index_select(0, self.draft_to_target.to(w.device)))
+        c = self._head_cache
+        if c is None or c[:2] != key:
+            ids = self.draft_to_target.to(w.device)
+            if c is not None and c[2].dtype == w.dtype and c[2].device == w.device:
+                # Refreshed in place (a policy update copies the target's head in place):
+                # the gathered head keeps its address, so drafting CUDA graphs stay valid.
+                torch.index_select(w, 0, ids, out=c[2])
+                self._head_cache = (key[0], key[1], c[2])
+            else:
+                self._head_cache = (key[0], key[1], w.index_select(0, ids))
         return self._head_cache[2]
 
     # ---- math ---------------------------------------------------------------------
@@ -379,6 +389,11 @@ class EagleProposer(Drafter):
         (during SD-off stretches features would otherwise pile up: hidden floats/token)."""
         self.batched = True
         """Chains drafted batched (False: per sequence, the tree path; tests' reference)."""
+        self.static_chains: bool | None = None
+        """Chain steps through eagle_graph.ChainGraphs (static buffers, one CUDA graph
+        replay per step). None: on a CUDA device unless MEGATRON_TLT_DRAFT_GRAPHS=0;
+        True: also on CPU (run eagerly on the static buffers; tests); False: never."""
+        self._chain_graphs: ChainGraphs | None = None
 
     # ---- Drafter interface ------------------------------------------------------------
 
@@ -409,6 +424,16 @@ class EagleProposer(Drafter):
     def reset(self):
         self.states.clear()
         self.kv.reset()
+        if self._chain_graphs is not None:
+            self._chain_graphs.reset()
+
+    def chain_graphs(self) -> ChainGraphs | None:
+        """The static-buffer chain drafter, when this proposer uses one (static_chains)."""
+        if self._chain_graphs is None and self.static_chains is not False:
+            cuda = torch.device(self.kv.device).type == "cuda"
+            if self.static_chains or (cuda and chain_graphs_enabled()):
+                self._chain_graphs = ChainGraphs(self, use_graphs=cuda)
+        return self._chain_graphs
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -495,6 +520,10 @@ class EagleProposer(Drafter):
     def propose(self, seqs, strategy, caps, running):
         d = self.drafter
         a = d.arch
+        cg = self.chain_graphs() if self.static_chains is not False else None
+        setting = cg.setting(seqs, strategy) if cg is not None else None
+        if setting is not None:
+            return cg.propose(seqs, strategy, caps, setting)
         builders = [TreeBuilder(s.token_ids[-1], strategy, cap) for s, cap in zip(seqs, caps)]
         # (1) extend over the committed pairs not yet consumed; the last one is the root.
         roots = self._extend(seqs)

@@ -60,8 +60,15 @@ def random_eagle(engine, seed: int = 0, draft_vocab: int | None = None) -> Eagle
     return d
 
 
+def static_chains(proposer: EagleProposer) -> EagleProposer:
+    """The proposer with its static-buffer chain path on (on CPU: eager, same buffers)."""
+    proposer.static_chains = True
+    return proposer
+
+
 DRAFTERS = {
     "eagle": lambda e: EagleProposer(random_eagle(e)),
+    "eagle_static": lambda e: static_chains(EagleProposer(random_eagle(e))),
     "eagle_small_vocab": lambda e: EagleProposer(random_eagle(e, draft_vocab=64)),
     "ngram": lambda e: NgramDrafter(max_ngram=3),
     "target": TargetDrafter,

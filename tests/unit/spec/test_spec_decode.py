@@ -28,7 +28,7 @@ def test_greedy_spec_equals_plain(spec_models, family):
     reqs = requests(VOCAB[family], LENGTHS, prompt_seed=1, max_new_tokens=14)
     base, _ = run(d, reqs)
     cases = [(dr, st) for dr in ("eagle", "ngram", "target") for st in (CHAIN, TREE)]
-    cases.append(("eagle_small_vocab", TREE))
+    cases += [("eagle_small_vocab", TREE), ("eagle_static", CHAIN)]
     for drafter, strategy in cases:
         for kw in ({}, {"num_blocks": 10}):  # 10 blocks of 4: forced preemption
             res, engine = run(d, reqs, drafter, strategy, **kw)

@@ -1,0 +1,292 @@
+"""EAGLE chain drafting replayed from CUDA graphs (the GPU fast path of EagleProposer).
+
+Why: on the H200 a speculative step at batch 1 spent 9.4 ms drafting a depth-4 chain
+with a one-layer drafter whose kernels take well under a millisecond: ~600 eager torch
+ops at 10-25 us of CPU each (tools/profile_generate.py, benchmarks/results/
+gpu_2026-12-02_session4). A graph replays them in one launch.
+
+What one replay computes, for a batch bucket (1, 2, 4, ..., 64 sequences):
+1. extend: each sequence's new pairs (at most QUERY_TILE; in the steady state the
+   tokens accepted at the last step), one query tile per sequence, KV written into its
+   slot, attention over the slot (SlotKV.attend), the drafter layer, the head; the last
+   real pair of the tile is the root;
+2. the chain: D levels of pick (greedy: argmax of log_softmax; sampled: the race over the
+   processed draft distribution with the request's next noise draws, draw number =
+   draws taken + level) and, below the last level, one layer forward writing the level's
+   KV at index num_pairs + level;
+3. outputs in static buffers: tokens and finiteness flags [bucket, 2D] int64 (ONE
+   device-to-host copy after the replay) and, for sampled chains, the draft
+   distributions scattered to the target vocabulary [bucket, D + 1, vocab] (row 0 zero).
+The host then builds the DraftTrees exactly as the eager path (`_draft_chains`): a row's
+chain stops at its depth cap; a non-finite level fails the whole tree (plain decode);
+sampled rows advance their noise stream by the levels actually drafted.
+
+Same numbers as the eager path: every op is the eager path's op on the same rows; the
+extra rows (tile padding, levels below a row's cap, padding sequences) are row-local
+(the drafter runs batch-invariant: 16-row matmul tiles, attention over whole slots), so
+they cannot change a real row's bits; they write KV only at positions no real query has
+seen yet (beyond the committed pairs, overwritten before they are read) or in a scratch
+slot reserved for padding sequences. Caveat: the extend needs capacity for
+num_pairs + QUERY_TILE + D positions, so the slot buffers may grow a little earlier
+than on the eager path (capacity changes attention's reduction shapes; compare the two
+paths at equal capacity).
+
+Eligible steps (else the eager path, unchanged): chains, batched proposer, at most
+MAX_BUCKET sequences, each with 1..QUERY_TILE new pairs and exactly their features
+pending, and one sampling setting for the whole batch (all greedy, or all sampled with
+the same temperature / top-k / top-p, baked into the graph).
+
+Graph validity: keyed by (bucket, depth, sampling setting) and invalidated when the
+drafter's KV buffers are reallocated (slot or capacity growth) or the gathered head of
+a reduced vocabulary moves. The drafter's and the target's weights are read in place
+(EngineWeights.update_weights copies in place; EagleDrafter.head_weight refreshes its
+gathered head in place). Kill switch: MEGATRON_TLT_DRAFT_GRAPHS=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_tlt.rollout.sampling import exponential_noise
+from megatron_tlt.spec.drafter_kv import QUERY_TILE
+from megatron_tlt.spec.sampling_ref import process_logits
+from megatron_tlt.spec.sampling_ref import sample as race_sample
+from megatron_tlt.spec.tree import DraftTree
+
+MAX_BUCKET = 64
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_TOK, _SLOT, _LO, _N, _KEY, _DRAW = 0, QUERY_TILE, QUERY_TILE + 1, QUERY_TILE + 2, QUERY_TILE + 3, QUERY_TILE + 4
+_NCOL = QUERY_TILE + 5
+
+
+def enabled() -> bool:
+    return os.environ.get("MEGATRON_TLT_DRAFT_GRAPHS", "1") != "0"
+
+
+class ChainGraphs:
+    """Static buffers and graphs of one EagleProposer. use_graphs=False runs the same
+    function eagerly on the same padded shapes (CPU tests of the static-buffer path)."""
+
+    def __init__(self, proposer, *, use_graphs: bool):
+        self.p = proposer
+        self.use_graphs = use_graphs
+        self._bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, dict]] = {}
+        self._pool = None
+        self._pad_slot: int | None = None
+        self._copy_done = None
+        self._kv_key = None
+        self.num_steps = 0
+        """Propose steps served (graph replays or, without graphs, eager runs)."""
+        self.num_replays = 0
+        self.num_captures = 0
+
+    # ---- eligibility --------------------------------------------------------------------
+
+    def setting(self, seqs, strategy) -> tuple | None:
+        """The batch's sampling setting ("greedy",) or ("sampled", T, top_k, top_p), or
+        None when this step must take the eager path."""
+        p = self.p
+        if not strategy.is_chain or not p.batched or not 0 < len(seqs) <= MAX_BUCKET:
+            return None
+        for s in seqs:
+            st = p.states.get(s.seq_id)
+            n = len(s.token_ids) - 1 - (st.num_pairs if st else 0)
+            if st is None or st.num_features != len(s.token_ids) - 1 or not 1 <= n <= QUERY_TILE:
+                return None
+            if sum(x.shape[0] for x in st.pending) != n:
+                return None
+        params = [s.request.sampling_params for s in seqs]
+        if all(x.temperature <= 0 for x in params):
+            return ("greedy",)
+        key = {(float(x.temperature), max(int(x.top_k), 0), float(x.top_p)) for x in params}
+        if len(key) != 1 or next(iter(key))[0] <= 0:
+            return None
+        return ("sampled",) + next(iter(key))
+
+    # ---- buffers ------------------------------------------------------------------------
+
+    def _buffers(self, bucket: int) -> dict[str, torch.Tensor]:
+        b = self._bufs.get(bucket)
+        if b is None:
+            d = self.p.drafter
+            p0 = next(d.parameters())
+            dev = p0.device
+            pin = dev.type == "cuda"
+            b = self._bufs[bucket] = {
+                "host": torch.zeros(bucket, _NCOL, dtype=torch.int64, pin_memory=pin),
+                "ints": torch.zeros(bucket, _NCOL, dtype=torch.int64, device=dev),
+                "feats": torch.zeros(bucket * QUERY_TILE, d.arch.hidden_size, dtype=p0.dtype, device=dev),
+            }
+        return b
+
+    def _pad(self) -> int:
+        """A KV slot no sequence owns: padding sequences write there."""
+        if self._pad_slot is None:
+            self._pad_slot = self.p.kv.acquire()
+        return self._pad_slot
+
+    def reset(self) -> None:
+        """The proposer's KV slots were all freed (the scratch slot too)."""
+        self._pad_slot = None
+
+    # ---- the step -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, seqs, strategy, caps, setting) -> list[DraftTree]:
+        p = self.p
+        n_seq = len(seqs)
+        bucket = next(b for b in BUCKETS if b >= n_seq)
+        depth = min(strategy.depth, strategy.num_draft_nodes)
+        states = [p.states[s.seq_id] for s in seqs]
+        pad = self._pad()
+        p.kv.ensure_capacity(max(st.num_pairs for st in states) + QUERY_TILE + depth)
+        buf = self._buffers(bucket)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the pinned host buffer may still be read
+        rows = [[0] * _NCOL for _ in range(bucket)]
+        for r in range(n_seq, bucket):
+            rows[r][_SLOT], rows[r][_N] = pad, 1
+        dest, pieces = [], []
+        sampled = setting[0] == "sampled"
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            lo, hi = st.num_pairs, len(s.token_ids) - 1
+            n = hi - lo
+            row = rows[r]
+            row[_TOK:_TOK + n] = s.token_ids[lo + 1:hi + 1]
+            row[_SLOT], row[_LO], row[_N] = st.slot, lo, n
+            if sampled:
+                row[_KEY], row[_DRAW] = s.rng.key, s.rng.draws
+            dest.extend(range(r * QUERY_TILE, r * QUERY_TILE + n))
+            pieces.extend(st.pending)
+        host = buf["host"]
+        host.copy_(torch.tensor(rows, dtype=torch.int64))
+        ints, feats = buf["ints"], buf["feats"]
+        ints.copy_(host, non_blocking=True)
+        if host.is_pinned():
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        feats.zero_()
+        feats.index_copy_(0, torch.tensor(dest, dtype=torch.int64).to(feats.device, non_blocking=True),
+                          torch.cat(pieces).to(feats.device, feats.dtype))
+        out = self._run(bucket, depth, setting, buf)
+        self.num_steps += 1
+        flat = out["ints"][:n_seq].tolist()  # the step's one device-to-host transfer
+        trees = []
+        for r, (s, st, cap) in enumerate(zip(seqs, states, caps)):
+            st.num_pairs = len(s.token_ids) - 1
+            st.pending = []
+            root = s.token_ids[-1]
+            toks, failed = [], False
+            for lvl in range(min(depth, cap)):
+                if not flat[r][depth + lvl]:
+                    failed = True
+                    break
+                toks.append(flat[r][lvl])
+            if sampled:
+                s.rng.draws += len(toks)
+            if failed:
+                trees.append(DraftTree.failed(root, "non-finite drafter logits"))
+            else:
+                probs = out["probs"][r, :len(toks) + 1] if sampled else None
+                trees.append(DraftTree([root] + toks, list(range(-1, len(toks))), probs))
+        return trees
+
+    def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
+        if not self.use_graphs:
+            return self._body(bucket, depth, setting, buf)
+        kv = self.p.kv
+        kv_key = (kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity, kv.num_slots,
+                  self.p.drafter.head_weight().data_ptr())
+        if kv_key != self._kv_key:
+            self.release()  # buffers moved: every graph reads stale addresses
+            self._kv_key = kv_key
+        key = (bucket, depth, setting)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(bucket, depth, setting, buf)
+        graph, out = entry
+        graph.replay()
+        self.num_replays += 1
+        return out
+
+    def _capture(self, bucket, depth, setting, buf):
+        dev = buf["ints"].device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm-up and capture run the real inputs: the body's writes go to positions past
+        # each sequence's committed pairs (and the scratch slot), which the replay that
+        # follows rewrites with the same values.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._body(bucket, depth, setting, buf)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._body(bucket, depth, setting, buf)
+        self.num_captures += 1
+        return graph, out
+
+    def release(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    # ---- the captured function ------------------------------------------------------------
+
+    def _body(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
+        """Extend + chain for `bucket` rows of static inputs; no host syncs, no host->device
+        copies (capturable)."""
+        d = self.p.drafter
+        a, kv = d.arch, self.p.kv
+        ints, feats = buf["ints"], buf["feats"]
+        dev = ints.device
+        slot, lo, n = ints[:, _SLOT], ints[:, _LO], ints[:, _N]
+        tile = torch.arange(QUERY_TILE, device=dev)
+        last = lo[:, None] + tile  # [bucket, tile]: pair index of each tile row
+        pair = last.reshape(-1)
+        x, q, k, v = d.layer_qkv(ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1), feats, pair + 1)
+        kv.write(slot[:, None].expand(bucket, QUERY_TILE).reshape(-1), pair, k, v)
+        qt = q.view(bucket, QUERY_TILE, a.num_heads, a.head_dim)
+        step = kv.max_tiles(a.num_heads)
+        o = torch.cat([kv.attend(qt[c:c + step], slot[c:c + step], last[c:c + step], d.scale)
+                       for c in range(0, bucket, step)]) if bucket > step else \
+            kv.attend(qt, slot, last, d.scale)
+        f = d.layer_out(x, o.reshape(bucket * QUERY_TILE, a.num_heads, a.head_dim))
+        lg = d.logits(f)
+        root = torch.arange(bucket, device=dev) * QUERY_TILE + n - 1
+        f, lg = f.index_select(0, root), lg.index_select(0, root)
+        base = lo + n
+        out_ints = torch.zeros(bucket, 2 * depth, dtype=torch.int64, device=dev)
+        out = {"ints": out_ints}
+        sampled = setting[0] == "sampled"
+        if sampled:
+            out["probs"] = torch.zeros(bucket, depth + 1, a.vocab_size, dtype=torch.float32, device=dev)
+        ok = None
+        for lvl in range(depth):
+            if sampled:
+                _, temp, top_k, top_p = setting
+                qd = process_logits(lg, temp, top_k, top_p)
+                noise = exponential_noise(ints[:, _KEY], ints[:, _DRAW] + lvl, qd.shape[-1], dev)
+                tok = race_sample(qd, noise)
+                out["probs"][:, lvl + 1] = d.scatter_to_target(qd).float()
+            else:
+                tok = torch.log_softmax(lg.float(), dim=-1).argmax(-1)  # first max = lowest id
+            finite = torch.isfinite(lg).all(-1)
+            if ok is not None:
+                finite &= ok
+            tok = d.to_target_ids(tok)
+            out_ints[:, lvl] = tok
+            out_ints[:, depth + lvl] = finite.long()
+            if lvl == depth - 1:
+                break
+            idx = base + lvl
+            x, q, k, v = d.layer_qkv(tok, f, idx + 1)
+            ok = torch.isfinite(v).flatten(1).all(-1)
+            kv.write(slot, idx, k, torch.nan_to_num(v))
+            o = kv.attend(q[:, None], slot, idx[:, None], d.scale)[:, 0]
+            f = d.layer_out(x, o)
+            lg = d.logits(f)
+        return out

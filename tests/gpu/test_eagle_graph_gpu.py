@@ -1,0 +1,94 @@
+"""EAGLE chain drafting replayed from CUDA graphs (spec/eagle_graph.py) on CUDA (skipped
+without a GPU): the replayed drafts equal the eager batched path's bit for bit (tokens,
+draft distributions, noise positions), across drafter weight updates, and whole
+generate calls give the same tokens with and without the graphs."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "spec"))
+
+from spec_testutil import VOCAB, make_hf_model, random_eagle, requests, tokens  # noqa: E402
+from test_eagle_graph import GROWS, _run as draft_steps  # noqa: E402
+
+from megatron_tlt.rollout import RolloutEngine, load_hf  # noqa: E402
+from megatron_tlt.spec.decode import SpecDecoder  # noqa: E402
+from megatron_tlt.spec.eagle import EagleProposer  # noqa: E402
+from megatron_tlt.spec.tree import Strategy  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("eagle_graph_gpu"))
+    make_hf_model("qwen2", d, vocab_size=VOCAB["qwen2"], seed=41, tie=False)
+    return d
+
+
+def _engine(model_dir, dtype, **kw):
+    arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
+    return RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=8, block_size=4,
+                         num_blocks=kw.pop("num_blocks", 64), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature, draft_vocab", [(0.0, None), (0.9, 48), (0.7, None)])
+def test_graph_drafts_equal_eager_drafts(model_dir, dtype, temperature, draft_vocab):
+    e = _engine(model_dir, dtype)
+    d = random_eagle(e, seed=4, draft_vocab=draft_vocab)
+    temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
+    eager, draws_e, n_e = draft_steps(d, temps, lengths, caps, static=False)
+    graph, draws_g, n_g = draft_steps(d, temps, lengths, caps, static=None)  # None: graphs on CUDA
+    assert n_e == 0 and n_g == len(GROWS) - 1
+    assert draws_g == draws_e
+    for step, (te, tg) in enumerate(zip(eager, graph)):
+        for i, (a, b) in enumerate(zip(te, tg)):
+            assert a[0] == b[0] and a[3] == b[3], (step, i, a[0], b[0])
+            if a[2] is not None:
+                assert torch.equal(a[2], b[2]), (step, i)
+
+
+def test_graphs_replay_and_follow_in_place_weight_updates(model_dir):
+    """One capture per (bucket, depth, setting); after an in-place update of the target's
+    head (reduced vocabulary: the gathered head is refreshed in place) and of the
+    drafter's weights, replayed drafts still equal eager drafts, without recapture."""
+    e = _engine(model_dir, torch.float32)
+    d = random_eagle(e, seed=4, draft_vocab=48)
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=0.9, max_new_tokens=24, seed=3)
+    prop = EagleProposer(d)
+    e.spec_decoder = SpecDecoder(prop, Strategy(depth=3), verify_impl="kernel")
+    e.generate(reqs)
+    cg = prop.chain_graphs()
+    captures = cg.num_captures
+    assert cg.num_replays > 0 and 0 < captures <= 4
+    with torch.no_grad():
+        e.weights.lm_head.mul_(1.5)
+        d.fc.weight.mul_(0.9)
+    res_g = e.generate(reqs)
+    assert cg.num_captures == captures, "in-place updates must not force a recapture"
+    prop.static_chains = False
+    prop._chain_graphs = None
+    res_e = e.generate(reqs)
+    assert tokens(res_g) == tokens(res_e)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_with_draft_graphs_equals_eager_drafting(model_dir, temperature):
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=32, seed=5)
+    out = {}
+    for static in (None, False):
+        for kw in ({}, {"num_blocks": 12}):
+            e = _engine(model_dir, torch.bfloat16, **kw)
+            prop = EagleProposer(random_eagle(e, seed=2))
+            prop.static_chains = static
+            e.spec_decoder = SpecDecoder(prop, Strategy(depth=4), verify_impl="kernel")
+            out[(static, bool(kw))] = (e.generate(reqs), prop)
+    for pre in (False, True):
+        (rg, pg), (re_, pe) = out[(None, pre)], out[(False, pre)]
+        assert pg.chain_graphs().num_replays > 0 and pe.chain_graphs() is None
+        assert tokens(rg) == tokens(re_), pre
+        assert [r.logprobs for r in rg] == [r.logprobs for r in re_]

@@ -1,0 +1,136 @@
+"""The static-buffer chain drafter (spec/eagle_graph.py, replayed from CUDA graphs on a
+GPU) drafts exactly what the eager batched path drafts: tokens, draft distributions,
+fallbacks and noise-stream positions. On CPU it runs eagerly on the same static buffers
+and padded shapes (the GPU tests replay the graphs)."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from spec_testutil import (VOCAB, make_engine, one_thread, random_eagle, requests, run,  # noqa: E402,F401
+                           spec_models, tokens)
+
+from megatron_tlt.rollout.sampling import SamplingParams, make_noise_stream  # noqa: E402
+from megatron_tlt.spec.eagle import EagleProposer  # noqa: E402
+from megatron_tlt.spec.tree import Strategy  # noqa: E402
+
+GROWS = (0, 1, 3, 2, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def engines(spec_models):
+    return {k: make_engine(v) for k, v in spec_models.items()}
+
+
+def _seq(seq_id, tokens, temperature, seed=7):
+    req = types.SimpleNamespace(sampling_params=SamplingParams(temperature=temperature, max_new_tokens=64),
+                                prompt_id=seq_id)
+    return types.SimpleNamespace(seq_id=seq_id, token_ids=list(tokens), request=req,
+                                 rng=make_noise_stream(seed, seq_id, 0))
+
+
+def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=False):
+    """Propose steps over sequences growing by GROWS tokens in between (ragged pending
+    pairs, the first step with more pairs than a query tile). Returns (trees per step,
+    draws per sequence, static steps taken)."""
+    g = torch.Generator().manual_seed(seed)
+    full, feats = [], []
+    for n in lengths:
+        full.append(torch.randint(d.arch.vocab_size, (n + sum(GROWS) + 1,), generator=g).tolist())
+        feats.append(torch.randn(n + sum(GROWS), d.arch.hidden_size, generator=g))
+    prop = EagleProposer(d, min_kv_capacity=128)
+    prop.static_chains = static
+    seqs = [_seq(i, full[i][:n], t) for i, (n, t) in enumerate(zip(lengths, temps))]
+    for s, f in zip(seqs, feats):
+        prop.observe(s, 0, f[:len(s.token_ids) - 1])
+    steps = []
+    for grow in GROWS:
+        for s, f, toks in zip(seqs, feats, full):
+            if grow:
+                n0 = len(s.token_ids)
+                s.token_ids = toks[:n0 + grow]
+                prop.observe(s, n0 - 1, f[n0 - 1:n0 - 1 + grow])
+            if perturb_draws:
+                s.rng.draws += 1
+        with torch.no_grad():
+            trees = prop.propose(seqs, Strategy(depth=depth), caps, seqs)
+        steps.append([(t.tokens, t.parents, None if t.draft_probs is None else t.draft_probs.clone(),
+                       t.fallback_reason) for t in trees])
+    cg = prop._chain_graphs
+    return steps, [s.rng.draws for s in seqs], 0 if cg is None else cg.num_steps
+
+
+@pytest.mark.parametrize("family, temperature, draft_vocab",
+                         [("qwen2", 0.0, None), ("qwen2", 0.9, 48), ("llama", 0.7, None), ("qwen3", 0.0, 48)])
+def test_static_chains_equal_eager_batched_chains(engines, family, temperature, draft_vocab):
+    """5 sequences (bucket 8: three padding rows), caps 4/2/4/3/1, six steps: the static
+    path's trees equal the eager path's bit for bit (tokens, parents, torch.equal draft
+    distributions) and the noise streams end at the same draw; it served every step after
+    the first (whose 19 pending pairs exceed a query tile)."""
+    d = random_eagle(engines[family], seed=4, draft_vocab=draft_vocab)
+    temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
+    eager, draws_e, n_e = _run(d, temps, lengths, caps, static=False)
+    static, draws_s, n_s = _run(d, temps, lengths, caps, static=True)
+    assert n_e == 0 and n_s == len(GROWS) - 1
+    assert draws_s == draws_e
+    for step, (te, ts) in enumerate(zip(eager, static)):
+        for i, (a, b) in enumerate(zip(te, ts)):
+            assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3], (step, i, a[0], b[0])
+            assert len(b[0]) == caps[i] + 1
+            assert (a[2] is None) == (b[2] is None) == (temperature == 0.0)
+            if a[2] is not None:
+                assert torch.equal(a[2], b[2]), (step, i)
+
+
+def test_static_chains_negative_control_and_fallback_rules(engines):
+    """Shifting every noise stream by one draw changes the sampled chains (the comparison
+    above can fail); mixed temperatures and more pending pairs than a query tile take the
+    eager path; a non-finite drafter fails the tree exactly as the eager path does."""
+    d = random_eagle(engines["qwen2"], seed=4)
+    temps, lengths, caps = [0.9] * 3, [5, 9, 4], [4, 4, 4]
+    base, _, _ = _run(d, temps, lengths, caps, static=True)
+    shifted, _, _ = _run(d, temps, lengths, caps, static=True, perturb_draws=True)
+    assert any(a[0] != b[0] for sa, sb in zip(base[1:], shifted[1:]) for a, b in zip(sa, sb))
+    _, _, n_mixed = _run(d, [0.0, 0.9, 0.9], lengths, caps, static=True)
+    assert n_mixed == 0
+    _, _, n_long = _run(d, temps, [30, 30, 30], caps, static=True)
+    assert n_long == len(GROWS) - 1  # only the first step (29 pairs) is eager
+    bad = random_eagle(engines["qwen2"], seed=4)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+    e_steps, e_draws, _ = _run(bad, temps, lengths, caps, static=False)
+    s_steps, s_draws, n = _run(bad, temps, lengths, caps, static=True)
+    assert n == len(GROWS) and s_draws == e_draws  # pending pairs 4, 8, 3: every step static
+    assert all(t[3] is not None for t in s_steps[-1])
+    assert [[t[3] for t in st] for st in s_steps] == [[t[3] for t in st] for st in e_steps]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.8, top_k=40, top_p=0.95),
+                                    dict(temperature=0.0)])
+def test_generate_with_static_chains_equals_eager_chains(spec_models, params):
+    """Whole generate calls (4 prompts x 2 samples, chains of depth 3, forced preemption
+    in the second pair of runs): same tokens and logprobs with the static path as with
+    the eager batched path, and the static path drafted."""
+    from megatron_tlt.spec.eagle import EagleProposer
+
+    def factory(static):
+        def make(e):
+            p = EagleProposer(random_eagle(e, seed=2), min_kv_capacity=128)
+            p.static_chains = static
+            return p
+        return make
+
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, prompt_seed=3, max_new_tokens=14, **params)
+    for kw in ({}, {"num_blocks": 12}):
+        eager, _ = run(spec_models["qwen2"], reqs, factory(False), Strategy(depth=3), **kw)
+        static, engine = run(spec_models["qwen2"], reqs, factory(True), Strategy(depth=3), **kw)
+        assert tokens(static) == tokens(eager), kw
+        assert [r.logprobs for r in static] == [r.logprobs for r in eager]
+        assert engine.spec_decoder.drafter._chain_graphs.num_steps > 0
+        if kw:
+            assert sum(r.num_preemptions for r in static) > 0
