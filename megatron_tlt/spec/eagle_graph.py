@@ -82,6 +82,8 @@ class ChainGraphs:
         """Propose steps served (graph replays or, without graphs, eager runs)."""
         self.num_replays = 0
         self.num_captures = 0
+        self.num_invalidations = 0
+        """Times every graph was dropped because a buffer it reads moved."""
 
     # ---- eligibility --------------------------------------------------------------------
 
@@ -231,6 +233,8 @@ class ChainGraphs:
         return graph, out
 
     def release(self) -> None:
+        if self._graphs:
+            self.num_invalidations += 1
         self._graphs.clear()
         self._pool = None
 

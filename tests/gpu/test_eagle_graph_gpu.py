@@ -53,9 +53,10 @@ def test_graph_drafts_equal_eager_drafts(model_dir, dtype, temperature, draft_vo
 
 
 def test_graphs_replay_and_follow_in_place_weight_updates(model_dir):
-    """One capture per (bucket, depth, setting); after an in-place update of the target's
-    head (reduced vocabulary: the gathered head is refreshed in place) and of the
-    drafter's weights, replayed drafts still equal eager drafts, without recapture."""
+    """Graphs are captured per (bucket, depth, setting) and replayed; after an in-place
+    update of the target's head (reduced vocabulary: the gathered head is refreshed in
+    place) and of the drafter's weights, no graph is invalidated and replayed drafts
+    still equal eager drafts."""
     e = _engine(model_dir, torch.float32)
     d = random_eagle(e, seed=4, draft_vocab=48)
     reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=0.9, max_new_tokens=24, seed=3)
@@ -63,13 +64,14 @@ def test_graphs_replay_and_follow_in_place_weight_updates(model_dir):
     e.spec_decoder = SpecDecoder(prop, Strategy(depth=3), verify_impl="kernel")
     e.generate(reqs)
     cg = prop.chain_graphs()
-    captures = cg.num_captures
-    assert cg.num_replays > 0 and 0 < captures <= 4
+    assert cg.num_replays > 0 and cg.num_captures > 0
+    invalidations, replays = cg.num_invalidations, cg.num_replays
     with torch.no_grad():
         e.weights.lm_head.mul_(1.5)
         d.fc.weight.mul_(0.9)
     res_g = e.generate(reqs)
-    assert cg.num_captures == captures, "in-place updates must not force a recapture"
+    assert cg.num_replays > replays
+    assert cg.num_invalidations == invalidations, "in-place updates must not invalidate the graphs"
     prop.static_chains = False
     prop._chain_graphs = None
     res_e = e.generate(reqs)
