@@ -13,7 +13,9 @@
 #   5. OUT_DIR/rl_step_h200.json: the three steps' metrics side by side.
 # RESULTS_DIR (e.g. the device tool's $OUT) receives the small outputs (bench_spec.json,
 # each run's metrics.jsonl and log tail, rl_step_h200.json) as soon as each stage ends,
-# so a run cut by a time limit keeps what it finished. SKIP_BENCH_SPEC=1 skips stage 3.
+# so a run cut by a time limit keeps what it finished. SKIP_BENCH_SPEC=1 skips stage 3;
+# STOP_AFTER=drafter stops after stage 2 (to split the work over calls of a time-limited
+# machine; re-running the script later skips the stages already done).
 set -euo pipefail
 OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
 SFT_STEPS=${2:-20}
@@ -36,6 +38,10 @@ if [ ! -f "$OUT/drafter/config.json" ]; then
       --num-prompts 128 --max-new-tokens 192 --draft-vocab 128 --steps 60 \
       --batch-tokens 4096 --out "$OUT/drafter" --no-progress 2>&1 | tail -n 8
   echo "[h200_rl_step] drafter done at $(( $(date +%s) - t0 )) s"
+fi
+if [ "${STOP_AFTER:-}" = drafter ]; then
+  echo "[h200_rl_step] STOP_AFTER=drafter: stopping at $(( $(date +%s) - t0 )) s"
+  exit 0
 fi
 if [ "${SKIP_BENCH_SPEC:-0}" != 1 ] && [ ! -f "$OUT/bench_spec.json" ]; then
   echo "[h200_rl_step] SD benchmark: eagle and ngram vs off at T=0.9, batch 1/4/16/32"
