@@ -212,30 +212,74 @@ class TreeBatch:
     max_depth: int
 
     @classmethod
-    def pack(cls, trees: list[DraftTree], root_positions: list[int], vocab: int) -> "TreeBatch":
-        b = len(trees)
+    def pack(cls, trees: list[DraftTree], root_positions: list[int], vocab: int, *,
+             probs_out: torch.Tensor | None = None) -> "TreeBatch":
+        """Pad the trees to one N. The int tables are built in Python and converted with
+        one torch.tensor call (this runs every speculative step, on the host).
+
+        probs_out: optional [B', N, vocab] float32 buffer (B' >= B; e.g. the static input of
+        a CUDA graph) that receives the draft probabilities; batch.draft_probs is then its
+        first B rows. Without it they are allocated on the drafter's device."""
         n = max(len(t.tokens) for t in trees)
-        parents = torch.full((b, n), -1, dtype=torch.int64)
-        tokens = torch.full((b, n), -1, dtype=torch.int64)
-        # Sampled trees carry draft_probs; when a batch mixes them with one-hot trees, the
-        # one-hot ones get explicit one-hot rows (the same proposal, verified the same way).
-        # They stay on the device the drafter produced them on.
+        par_rows, tok_rows, pos_rows, anc_rows, depth_max = [], [], [], [], 0
+        bits = n <= 63  # ancestor sets as int64 bit masks (bit j: node j); else ancestor_mask
+        for t, root in zip(trees, root_positions):
+            k = len(t.tokens)
+            parents = t.parents
+            depth = [0] * n
+            anc = [1 << i for i in range(n)] if bits else None
+            for i in range(1, k):
+                p = parents[i]
+                depth[i] = depth[p] + 1
+                if bits:
+                    anc[i] |= anc[p]
+            pad = [-1] * (n - k)
+            par_rows.append(parents + pad)
+            tok_rows.append(t.tokens + pad)
+            pos_rows.append([root + d for d in depth])  # padding nodes: the root's position
+            anc_rows.append(anc if bits else [0] * n)
+            depth_max = max(depth_max, max(depth))
+        table = torch.tensor([par_rows, tok_rows, pos_rows, anc_rows], dtype=torch.int64)
+        parents, tokens, positions = table[0], table[1], table[2]
+        if bits:
+            shifts = torch.arange(n, dtype=torch.int64)
+            mask = ((table[3][:, :, None] >> shifts) & 1).bool()  # [B, N, N]: j in anc(i)
+        else:
+            mask = ancestor_mask(parents)
+        return cls(parents=parents, draft_tokens=tokens, query_tokens=tokens.clamp(min=0),
+                   positions=positions, tree_mask=mask,
+                   draft_probs=cls._pack_draft_probs(trees, tokens, vocab, probs_out),
+                   num_nodes=[len(t.tokens) for t in trees], max_depth=depth_max)
+
+    @staticmethod
+    def _pack_draft_probs(trees: list[DraftTree], tokens: torch.Tensor,  # [B, N] int64, -1 padded
+                          vocab: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, N, vocab] float32 draft probabilities of a batch, or None when every tree is
+        one-hot. Sampled trees carry draft_probs; when a batch mixes them with one-hot trees,
+        the one-hot ones get explicit one-hot rows (the same proposal, verified the same way).
+        One torch.stack when every tree has float32 probabilities of full length on one device
+        (sampled chains of equal depth, the common case); row by row otherwise."""
         with_probs = [t.draft_probs for t in trees if t.draft_probs is not None]
-        probs = torch.zeros(b, n, vocab, device=with_probs[0].device) if with_probs else None
+        if not with_probs:
+            return None
+        b, n = tokens.shape
+        dev = with_probs[0].device if out is None else out.device
+        if out is not None:
+            if out.dim() != 3 or out.shape[0] < b or tuple(out.shape[1:]) != (n, vocab) or out.dtype != torch.float32:
+                raise ValueError(f"probs_out must be [>= {b}, {n}, {vocab}] float32, got "
+                                 f"{tuple(out.shape)} {out.dtype}")
+            out = out[:b]
+        if len(with_probs) == b and all(p.shape == (n, vocab) and p.dtype == torch.float32 and p.device == dev
+                                        for p in with_probs):
+            return torch.stack(with_probs) if out is None else torch.stack(with_probs, out=out)
+        probs = torch.zeros(b, n, vocab, device=dev) if out is None else out.zero_()
         for i, t in enumerate(trees):
             k = len(t.tokens)
-            parents[i, :k] = torch.tensor(t.parents, dtype=torch.int64)
-            tokens[i, :k] = torch.tensor(t.tokens, dtype=torch.int64)
-            if probs is not None:
-                if t.draft_probs is not None:
-                    probs[i, :k] = t.draft_probs.float()
-                else:
-                    probs[i, torch.arange(1, k), tokens[i, 1:k]] = 1.0
-        depth = node_depths(parents)
-        positions = torch.tensor(root_positions, dtype=torch.int64)[:, None] + depth
-        return cls(parents=parents, draft_tokens=tokens, query_tokens=tokens.clamp(min=0),
-                   positions=positions, tree_mask=ancestor_mask(parents), draft_probs=probs,
-                   num_nodes=[len(t.tokens) for t in trees], max_depth=int(depth.max()))
+            if t.draft_probs is not None:
+                probs[i, :k] = t.draft_probs.float()
+            else:
+                probs[i, torch.arange(1, k), tokens[i, 1:k]] = 1.0
+        return probs
 
     @classmethod
     def make_dummy(cls, batch: int = 2, depth: int = 3, topk: int = 2, vocab: int = 32,

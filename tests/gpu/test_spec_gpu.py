@@ -78,3 +78,122 @@ def test_spec_with_verify_graphs_equals_eager_verify(model_dir, temperature):
     assert tokens(res_g) == tokens(res_e)
     for a, b in zip(res_g, res_e):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+# ---- the verification fast path (spec/decode.py VerifyMath) on CUDA ---------------------
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
+
+import test_verify_fast as vf  # noqa: E402
+
+from megatron_tlt.rollout.sampling import noise_bits, uniform_noise  # noqa: E402
+from megatron_tlt.spec.decode import MATH_MAX_ROWS, VerifyMath  # noqa: E402
+from megatron_tlt.spec.tree import DraftTree  # noqa: E402
+
+
+def test_coins_drawn_on_gpu_equal_cpu():
+    """The fast path draws the coins on the device, the general path on the CPU: same bits
+    (integer SplitMix64), same float32 coins."""
+    keys = torch.arange(512, dtype=torch.int64) * 1_000_003 + 2**61
+    draws = torch.arange(512, dtype=torch.int64) % 7
+    assert torch.equal(noise_bits(keys, draws, 2048, "cuda").cpu(), noise_bits(keys, draws, 2048, "cpu"))
+    assert torch.equal(uniform_noise(keys, draws, 2048, "cuda").cpu(), uniform_noise(keys, draws, 2048, "cpu"))
+
+
+def _to_cuda(trees):
+    return [DraftTree(t.tokens, t.parents, None if t.draft_probs is None else t.draft_probs.cuda())
+            for t in trees]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "one_hot"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_verify_math_graphs_equal_eager(mode, tree):
+    """Synthetic steps: graph replay == the same math eager on the same static buffers, bit
+    for bit (every output); == the general path on CUDA in tokens and accepted paths
+    (its unpadded reductions may round the floats differently in the last bit).
+    Passes 1 and 2: the logits sit in one static buffer (as the decode runner's), read in
+    place; pass 2 (same shapes, other draw numbers) replays pass 1's graphs with new
+    inputs and captures nothing. Pass 3: batches that are not buckets in fresh tensors,
+    copied into VerifyMath's own buffer (other graphs)."""
+    vocab = 4099
+    graph = VerifyMath("cuda", vocab, use_graphs=True, impl="kernel")
+    eager = VerifyMath("cuda", vocab, use_graphs=False, impl="kernel")
+    assert graph.use_graphs and not eager.use_graphs
+    for m in (graph, eager):
+        m._reserve(MATH_MAX_ROWS)  # no buffer growth (it would drop graphs) mid-test
+    static = torch.zeros(MATH_MAX_ROWS, vocab, device="cuda")
+    batches = [3, 1, 6, 5, 8, 3, 2, 7, 3, 1]
+    captures = []
+    for rep in range(3):
+        for step, batch in enumerate(batches):
+            if rep == 2 and batch & (batch - 1) == 0:
+                continue
+            seqs, trees, logits = vf.make_step(batch, vocab, mode, seed=step, tree=tree)
+            trees, logits = _to_cuda(trees), logits.cuda()
+            if rep < 2:
+                static[:logits.shape[0]] = logits
+                logits = static[:logits.shape[0]]
+            s_g, s_e, s_ref = (vf.copy_seqs(seqs, draw_offset=5 * rep) for _ in range(3))
+            _, got_g, gidx_g = vf.fast_path(graph, s_g, trees, logits, vocab)
+            _, got_e, gidx_e = vf.fast_path(eager, s_e, trees, logits, vocab)
+            for k in got_e:
+                assert torch.equal(got_g[k], got_e[k]), (rep, step, k)
+            assert torch.equal(gidx_g, gidx_e)
+            want = vf.general_path(s_ref, trees, logits, vocab, impl="kernel")
+            w = want["accept_index"].shape[1]
+            for k in ("accept_index", "accept_length", "tokens"):
+                assert torch.equal(want[k], got_e[k] if k == "accept_length" else got_e[k][:, :w]), (rep, step, k)
+            for k in ("logprobs", "processed_logprobs"):
+                torch.testing.assert_close(got_e[k][:, :w], want[k], rtol=0, atol=1e-5)
+        captures.append(graph.num_captures)
+    assert 0 < captures[0] == captures[1] < captures[2], captures
+    assert graph.num_replays == graph.num_steps == eager.num_steps and eager.num_captures == 0
+
+
+def _spec_engine(model_dir, dtype, decoder_kw, **engine_kw):
+    arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
+    engine = RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=8, num_blocks=64,
+                           block_size=4, **engine_kw)
+    engine.spec_decoder = SpecDecoder(DRAFTERS["eagle"](engine), Strategy(depth=4), verify_impl="kernel",
+                                      **decoder_kw)
+    return engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_verify_math_graphs_equal_eager(model_dir, dtype, temperature):
+    """Whole generate calls (Triton engine with decode/verify graphs: the verify math reads
+    the runner's static logits in place): verify-math graphs == the same math eager, bit
+    for bit (tokens, logprobs, processed logprobs); == the general path in tokens."""
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=32, seed=7)
+    out = {}
+    for name, kw in (("graphs", dict(verify_graphs=True)), ("eager", dict(verify_graphs=False)),
+                     ("general", dict(fast_verify=False))):
+        e = _spec_engine(model_dir, dtype, kw, attention_backend="triton", cuda_graphs=True)
+        out[name] = (e.generate(reqs), e.spec_decoder)
+    (rg, dg), (re_, de), (rr, dr) = out["graphs"], out["eager"], out["general"]
+    assert dg._math.num_replays > 0 and dg._math.num_captures > 0 and de._math.num_captures == 0
+    assert de._math.num_steps > 0 and dr._math is None
+    assert any(k[3] is not None for k in dg._math._graphs), "no graph read the logits in place"
+    assert dg.metrics.summary()["total"]["num_drafts"] > 0
+    assert tokens(rg) == tokens(re_) == tokens(rr)
+    assert [r.logprobs for r in rg] == [r.logprobs for r in re_]
+    assert [r.processed_logprobs for r in rg] == [r.processed_logprobs for r in re_]
+    for a, b in zip(rg, rr):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", [Strategy(depth=3), Strategy(depth=3, topk=2, num_verify_tokens=6)],
+                         ids=["chain", "tree"])
+def test_greedy_spec_with_verify_math_graphs_equals_plain(model_dir, strategy):
+    """Greedy SD through the verify-math graphs (batch-invariant engine: the verify
+    forward's logits are fresh tensors, copied into the static buffer or read in place)
+    emits exactly the plain decode's tokens."""
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8, 6], prompt_seed=3, max_new_tokens=24)
+    base, _ = _run(model_dir, reqs)
+    res, engine = _run(model_dir, reqs, "eagle", strategy)
+    m = engine.spec_decoder._math
+    assert m is not None and m.use_graphs and m.num_replays > 0
+    assert tokens(res) == tokens(base)
+    for a, b in zip(res, base):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
