@@ -1,11 +1,13 @@
-"""GPU decode fast path of the rollout engine: static inputs, bucketed CUDA graphs, greedy
-sampling on the device.
+"""GPU decode fast path of the rollout engine: static inputs, bucketed CUDA graphs, sampling
+on the device.
 
 `DecodeRunner` serves `RolloutEngine.forward_pending` when every scheduled sequence has
-exactly one pending token (a decode step), `sample_and_append` when every request is
-greedy, and (eagerly, `verify`) the speculative verify forward of a GPU engine that is
-not batch-invariant; anything else (prefill, re-prefill, hidden states of decode steps,
-sampling with temperature) takes the engine's generic path.
+exactly one pending token (a decode step); `sample_and_append` when every request is
+greedy (`sample_greedy`, any logits), or, for the logits of a decode step it served, when
+no row has top-k, top-p or a min_new_tokens ban (`sample_fast`, greedy and sampled rows
+mixed); and (eagerly, `verify`) the speculative verify forward of a GPU engine that is not
+batch-invariant. Anything else (prefill, re-prefill, hidden states of decode steps,
+sampling with top-k / top-p / a ban) takes the engine's generic path.
 
 Decode step (`decode(seqs)`):
 1. inputs — token ids, positions, slot mapping, context lengths and block tables — are
@@ -18,6 +20,25 @@ Decode step (`decode(seqs)`):
    eagerly at the same padded shape, so graph and eager decode compute identical
    numbers); logits land in a static [max_batch, vocab] float32 buffer. The returned
    logits are a view into it, valid until the next decode step.
+
+Sampled decode step (`sample_fast(seqs, logits)`), after `decode`:
+1. per row (stream key, draw number, temperature as float64 bits; temperature 0 is the
+   greedy flag, as in `sampling.sample`) go into one pinned host buffer [max_batch, 3]
+   int64 and ONE host-to-device copy; only sampled rows take a draw (`rng.take()`), as in
+   the generic path; padding rows are greedy with key 0, draw 0;
+2. `sampling.exponential_noise` + `sampling.sample` (top_k = top_p = None: the filter
+   branch is off, no host sync) run on all `bucket` rows of the decode's padded logits,
+   replayed from a graph per bucket (captured at first use into the shared pool) or, with
+   use_graphs=False, eagerly at the same shape;
+3. (token, logprob, processed logprob) per row land in one static [max_batch, 3] int64
+   buffer (the logprobs as float64 bits) and come back with ONE device-to-host copy.
+Same numbers as the generic path bit for bit: it runs the same ops on the same device;
+the noise is elementwise in (key, draw, index), and log_softmax, argmax and gather are
+computed per row, so a row's results do not depend on how many rows are in the batch
+(the generic path samples [n] rows and draws noise for its sampled rows only, this path
+[bucket] rows; tests/unit/test_sample_graph.py checks both). The environment variable
+MEGATRON_TLT_SAMPLE_GRAPHS=0, read when a runner is constructed, turns this path off
+(`sample_graphs`; the greedy path is unaffected), to compare or to rule it out.
 
 Graphs: captured lazily at the first decode step (or by `capture()`), largest bucket
 first, all into ONE memory pool (`torch.cuda.graph_pool_handle()`): the buckets never
@@ -33,12 +54,18 @@ What a graph holds by address, and why it stays valid:
   pool (freeing that memory too), and the next decode step recaptures (about a second;
   once per wake). As a guard, every step compares the pool's data_ptr() with the one
   captured and recaptures on a mismatch;
-- the static input and logits buffers: owned here, never reallocated while graphs live.
+- the static input and logits buffers (the sampling ones included): owned here, never
+  reallocated while graphs live. A sampling graph reads and writes only those; what it
+  allocates is intermediate, freed at the end of its capture, like a decode graph's, so
+  it reads nothing another graph left in the pool. Its intermediates are the eager
+  sampler's ([bucket, vocab] int64 noise bits, a few float32 planes: about 0.6 GB at
+  bucket 128 and a 151,936 vocabulary), held by the pool while the graphs live.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from typing import Sequence as Seq
 
 import torch
@@ -47,6 +74,7 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.gpu_model import DecodeModel
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
+from megatron_tlt.rollout.sampling import exponential_noise, sample
 from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -56,6 +84,13 @@ rows of the vocabulary: 156 MB at 151,936); larger verifies run eagerly. The env
 variable sets it; 0 turns verify graphs off (to compare, or to rule them out)."""
 _ID, _POS, _SLOT, _CTX = 0, 1, 2, 3  # columns of the input buffer; block table from column 4
 _NCOL = 4
+_KEY, _DRAW, _TEMP = 0, 1, 2  # columns of the sampling input buffer (_TEMP: float64 bits)
+_TOKEN, _LP, _PLP = 0, 1, 2  # columns of the sampling output buffer (_LP, _PLP: float64 bits)
+
+
+def _f64_bits(x: float) -> int:
+    """The bits of float64 x as an int64 (read back on the device with .view(torch.float64))."""
+    return struct.unpack("=q", struct.pack("=d", x))[0]
 
 
 def bucket_sizes(batch_sizes: Seq[int] | None, max_num_seqs: int) -> list[int]:
@@ -112,6 +147,20 @@ class DecodeRunner:
         self._vbuf: dict[str, torch.Tensor] | None = None
         self.num_verify_replays = 0
         """Verify forwards served from a graph."""
+        self.sample_graphs = os.environ.get("MEGATRON_TLT_SAMPLE_GRAPHS", "1") != "0"
+        """Sampled decode steps take `sample_fast` (graphs with use_graphs, else eager);
+        False: the engine's generic path. MEGATRON_TLT_SAMPLE_GRAPHS=0 sets it False."""
+        pinned = self.device.type == "cuda"
+        self._sin = torch.zeros(self.max_batch, 3, dtype=torch.int64, device=self.device)
+        self._shost = torch.zeros(self.max_batch, 3, dtype=torch.int64, pin_memory=pinned)
+        self._sout = torch.zeros(self.max_batch, 3, dtype=torch.int64, device=self.device)
+        self._spad = torch.zeros(3, dtype=torch.int64)  # greedy (temperature 0.0), key 0, draw 0
+        self._scopy_done = None
+        self._sgraphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._served: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The last decode step's logits [n, vocab] and the bucket's [bucket, vocab] they view."""
+        self.num_fast_samples = 0
+        """Decode steps sampled by `sample_fast`."""
 
     # ---- buckets and static inputs ------------------------------------------------------
 
@@ -186,7 +235,9 @@ class DecodeRunner:
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
                                    f"{len(seq.token_ids)} tokens")
         bucket = self.prepare(seqs)
-        logits = self.run(bucket)[:n]
+        padded = self.run(bucket)
+        logits = padded[:n]
+        self._served = (logits, padded)
         for seq in seqs:
             seq.num_computed = len(seq.token_ids)
             seq.pending_verify = 0
@@ -364,9 +415,11 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
-        """Drop the graphs (decode and verify), their memory pool and the logits buffers
-        (engine.sleep())."""
+        """Drop the graphs (decode, sampling and verify), their memory pool and the logits
+        buffers (engine.sleep())."""
         self._graphs.clear()
+        self._sgraphs.clear()
+        self._served = None
         self._vgraphs.clear()
         self._vqs.clear()
         self._vbuf = None
@@ -381,10 +434,11 @@ class DecodeRunner:
     # ---- sampling ---------------------------------------------------------------------
 
     def sample_greedy(self, seqs, logits: torch.Tensor,  # [B, vocab] float32
-                      ) -> tuple[torch.Tensor, list[int], list[float]] | None:
+                      ) -> tuple[torch.Tensor, list[int], list[float], list[float]] | None:
         """Greedy tokens on the device with one host sync, exactly as `sampling.sample`
         computes greedy rows (argmax of the banned logits, lowest id on ties; logprob from
-        log_softmax of the unbanned logits). None unless every request is greedy."""
+        log_softmax of the unbanned logits): (tokens [B], token ids, logprobs, processed
+        logprobs = 0.0). None unless every request is greedy."""
         for seq in seqs:
             if seq.request.sampling_params.temperature > 0:
                 return None
@@ -403,4 +457,89 @@ class DecodeRunner:
         tokens = torch.argmax(proc, dim=-1)
         lps = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
         host = torch.stack([tokens.to(torch.float64), lps.to(torch.float64)]).tolist()
-        return tokens, [int(t) for t in host[0]], host[1]
+        return tokens, [int(t) for t in host[0]], host[1], [0.0] * len(seqs)
+
+    def sample_fast(self, seqs, logits: torch.Tensor,  # [B, vocab] float32
+                    ) -> tuple[torch.Tensor, list[int], list[float], list[float]] | None:
+        """One token per sequence for the logits of the decode step this runner just served,
+        on the device with one copy each way (module docstring): (tokens [B] int64 on the
+        device, a view valid until the next call; token ids; logprobs; processed
+        logprobs), equal bit for bit to the engine's generic path. None, with no draw
+        taken, when `logits` are not that step's or a row has top-k, top-p or a
+        min_new_tokens ban at this position (or `sample_graphs` is off)."""
+        served = self._served
+        if not self.sample_graphs or served is None or logits is not served[0]:
+            return None
+        vocab = self.vocab_size
+        for seq in seqs:
+            p = seq.request.sampling_params
+            # len(token_ids) - prompt_len == len(output_ids), without copying the output
+            if (0 < p.top_k < vocab or p.top_p < 1
+                    or seq.stop.banned_ids(len(seq.token_ids) - seq.prompt_len)):
+                return None
+        n, padded = len(seqs), served[1]
+        bucket = padded.shape[0]
+        if n != logits.shape[0]:
+            raise ValueError(f"sample_fast: {n} sequences for {logits.shape[0]} rows of logits")
+        if self._scopy_done is not None:
+            self._scopy_done.synchronize()  # the host buffer is still being read otherwise
+        rows = []
+        for seq in seqs:
+            t = float(seq.request.sampling_params.temperature)
+            if t > 0:  # greedy rows take no draw (nor does the generic path)
+                rows.append((seq.rng.key, seq.rng.take(), _f64_bits(t)))
+            else:
+                rows.append((0, 0, _f64_bits(t)))
+        host = self._shost
+        host[:n] = torch.tensor(rows, dtype=torch.int64)
+        if bucket > n:
+            host[n:bucket] = self._spad
+        self._sin[:bucket].copy_(host[:bucket], non_blocking=True)
+        if self.device.type == "cuda":
+            self._scopy_done = torch.cuda.Event()
+            self._scopy_done.record()
+        if self.use_graphs:
+            self._sample_graph(bucket).replay()
+        else:
+            self._sample_forward(bucket, padded)
+        out = self._sout[:n].cpu()
+        lps = out[:, _LP:].view(torch.float64)
+        self.num_fast_samples += 1
+        return (self._sout[:n, _TOKEN], out[:, _TOKEN].tolist(), lps[:, 0].tolist(),
+                lps[:, 1].tolist())
+
+    def _sample_forward(self, bucket: int, logits: torch.Tensor) -> None:  # [bucket, vocab]
+        """The generic path's sampling ops on the static inputs of `bucket` rows (no host
+        sync: capturable); results into the static output buffer."""
+        x = self._sin[:bucket]
+        noise = exponential_noise(x[:, _KEY], x[:, _DRAW], self.vocab_size, self.device)
+        temperature = x[:, _TEMP].view(torch.float64).float()
+        s = sample(logits, temperature, None, None, noise)
+        o = self._sout[:bucket]
+        o[:, _TOKEN].copy_(s.token_ids)
+        o[:, _LP].view(torch.float64).copy_(s.logprobs)
+        o[:, _PLP].view(torch.float64).copy_(s.processed_logprobs)
+
+    def _sample_graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The bucket's sampling graph, reading the decode graphs' logits buffer; captured
+        at first use into the shared pool (after a warm-up on a side stream, as the other
+        captures; the replay that follows overwrites the warm-up's outputs)."""
+        graph = self._sgraphs.get(bucket)
+        if graph is not None:
+            return graph
+        logits = self._logits[:bucket]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._sample_forward(bucket, logits)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._sample_forward(bucket, logits)
+        self._sgraphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        return graph
+
+    @property
+    def num_sample_graphs(self) -> int:
+        return len(self._sgraphs)

@@ -343,13 +343,19 @@ class RolloutEngine:
 
     def sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per sequence (logits [B, vocab] float32), append it, run the stop
-        checks (setting finish_reason). Returns the tokens [B]."""
-        if self.decode_runner is not None:
-            fast = self.decode_runner.sample_greedy(seqs, logits)  # None unless all greedy
+        checks (setting finish_reason). Returns the tokens [B] (from the decode runner's
+        sampled path, a view of its static buffer, valid until its next step)."""
+        runner = self.decode_runner
+        if runner is not None:
+            # Device paths (cuda_graphs.py), bit-identical to the generic path below:
+            # every request greedy; or the runner's decode logits with no top-k, top-p or ban.
+            fast = runner.sample_greedy(seqs, logits)
+            if fast is None:
+                fast = runner.sample_fast(seqs, logits)
             if fast is not None:
-                tokens, token_list, lps = fast
+                tokens, token_list, lps, plps = fast
                 for i, seq in enumerate(seqs):
-                    self.append_token(seq, token_list[i], lps[i], 0.0)
+                    self.append_token(seq, token_list[i], lps[i], plps[i])
                 return tokens
         b, v = logits.shape
         temps, top_k, top_p, rows, keys, draws = [], [], [], [], [], []

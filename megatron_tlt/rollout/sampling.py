@@ -180,19 +180,26 @@ class SampleOutput:
 
 def sample(logits: torch.Tensor,  # [B, vocab] float32
            temperature: torch.Tensor,  # [B] float32, 0 = greedy
-           top_k: torch.Tensor,  # [B] int64, <= 0 disables
-           top_p: torch.Tensor,  # [B] float32, >= 1 disables
+           top_k: torch.Tensor | None,  # [B] int64, <= 0 disables
+           top_p: torch.Tensor | None,  # [B] float32, >= 1 disables
            exp_noise: torch.Tensor,  # [B, vocab] float32 Exp(1) noise (ignored for greedy rows)
            banned: torch.Tensor | None = None,  # [B, vocab] bool, True = may not be sampled
            ) -> SampleOutput:
-    """Reference sampler (the spec for a fused GPU sampling kernel)."""
+    """Reference sampler (the spec for a fused GPU sampling kernel).
+
+    top_k = top_p = None: no row filters, known on the host, so the one host sync (does any
+    row filter?) is skipped; the other ops are the same (the decode runner's CUDA graph,
+    cuda_graphs.py, samples this way)."""
     b, vocab = logits.shape
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits.float() / t[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     proc = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
-    needs_filter = bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any())
+    if (top_k is None) != (top_p is None):
+        raise ValueError("sample: top_k and top_p must both be tensors or both be None")
+    needs_filter = (top_k is not None
+                    and bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()))
     if needs_filter:
         sorted_logits, order = torch.sort(proc, dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]

@@ -542,3 +542,105 @@ def test_sleep_wake_recaptures_graphs_and_decodes_the_same():
     assert r.num_captures == 2
     assert [x.token_ids for x in second] == [x.token_ids for x in first]
     assert [x.logprobs for x in second] == [x.logprobs for x in first]
+
+
+# ---------------------------------------------------------------- sampled decode on the device
+
+
+def _sampled(reqs, temps):
+    """The requests with these temperatures, cycled (0 = greedy), and no min_new_tokens."""
+    for i, r in enumerate(reqs):
+        r.sampling_params.temperature = temps[i % len(temps)]
+        r.sampling_params.min_new_tokens = 0
+    return reqs
+
+
+@pytest.mark.parametrize("batch", [1, 3, 32])
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_sample_graph_equals_generic_sampler(dt, batch):
+    """The sampling graph replayed after the decode graph == the engine's generic sampling
+    path on the same logits, bit for bit (tokens, logprobs, processed logprobs, draw
+    counters), greedy and sampled rows mixed, over several steps; one step at a smaller
+    batch (padding rows rewritten, another bucket for batch 3)."""
+    dtype = DTYPES[dt]
+    arch, w = small_model(dtype)
+    eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+    r = eng.decode_runner
+    specs = [(5 + 7 * i, 64, 0) for i in range(batch)]
+    seqs = [eng.add_sequence(q) for q in _sampled(requests(arch.vocab_size, specs, seed=batch),
+                                                  [0.9, 0.0, 1.3, 0.6])]
+    eng.sample_and_append(seqs, eng.forward_pending(seqs).logits)  # prefill: generic path
+    sizes = [batch] * 3 + [max(1, batch - 1)] + [batch] * 2
+    for n in sizes:
+        step = seqs[:n]
+        logits = eng.forward_pending(step).logits
+        draws = [s.rng.draws for s in step]
+        out = r.sample_fast(step, logits)
+        assert out is not None
+        tokens, ids, lps, plps = out
+        fast_draws = [s.rng.draws for s in step]
+        assert torch.equal(tokens.cpu(), torch.tensor(ids))
+        for s, d in zip(step, draws):  # rewind; the generic path samples and appends
+            s.rng.draws = d
+        r.sample_graphs = False
+        eng.sample_and_append(step, logits)
+        r.sample_graphs = True
+        assert ids == [s.token_ids[-1] for s in step]
+        assert torch.equal(torch.tensor(lps, dtype=torch.float64),
+                           torch.tensor([s.logprobs[-1] for s in step], dtype=torch.float64))
+        ref_plps = [s.processed_logprobs[-1] for s in step]
+        assert torch.equal(torch.tensor(plps, dtype=torch.float64),
+                           torch.tensor(ref_plps, dtype=torch.float64))
+        assert fast_draws == [s.rng.draws for s in step]
+    assert r.num_fast_samples == len(sizes) and r.num_captures == 1
+    assert r.num_sample_graphs == len({r.bucket_for(n) for n in sizes})
+    assert any(p != 0.0 for s in seqs for p in s.processed_logprobs)  # sampled rows compared
+    # Negative control: draw numbers one behind change the sampled tokens. At T=50 the
+    # distribution is nearly uniform over 1000 tokens, so a row keeps its token with
+    # probability ~1e-3; more than half of the rows keeping theirs would be a bug.
+    logits = eng.forward_pending(seqs).logits
+    assert r.sample_fast(seqs, logits.clone()) is None  # not the decode step's logits
+    sampled = [i for i, s in enumerate(seqs) if s.request.sampling_params.temperature > 0]
+    for i in sampled:
+        seqs[i].request.sampling_params.temperature = 50.0
+    draws = [s.rng.draws for s in seqs]
+    good = r.sample_fast(seqs, logits)[1]
+    for s, d in zip(seqs, draws):
+        s.rng.draws = d - 1 if s.request.sampling_params.temperature > 0 else d
+    stale = r.sample_fast(seqs, logits)[1]
+    assert sum(good[i] != stale[i] for i in sampled) > len(sampled) // 2
+    assert all(good[i] == stale[i] for i in range(batch) if i not in sampled)
+
+
+def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
+    """engine.generate at T=0.9 (a few greedy requests among them), bf16, 20 requests
+    finishing at different lengths: sampling graphs == MEGATRON_TLT_SAMPLE_GRAPHS=0, same
+    tokens and logprobs. The engines share one linear planner, so both decode with the
+    same kernels (the planner times candidates; two could pick differently). Then sleep
+    drops the sampling graphs and the next generate recaptures them, same tokens."""
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype)
+    reqs = _sampled(requests(arch.vocab_size, ragged_specs(20, seed=21), seed=21),
+                    [0.9, 0.9, 0.9, 0.0])
+    for i, q in enumerate(reqs):
+        q.sampling_params.max_new_tokens = 6 + i % 9
+    graphs = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+    monkeypatch.setenv("MEGATRON_TLT_SAMPLE_GRAPHS", "0")
+    generic = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+    generic.decode_runner.model.planner = graphs.decode_runner.model.planner
+    a = graphs.generate(reqs)
+    b = generic.generate(reqs)
+    ra, rb = graphs.decode_runner, generic.decode_runner
+    assert ra.num_fast_samples >= 10 and ra.num_sample_graphs >= 2 and rb.num_fast_samples == 0
+    for q, x, y in zip(reqs, a, b):
+        assert x.error is None and len(x.token_ids) == q.sampling_params.max_new_tokens
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs and x.processed_logprobs == y.processed_logprobs
+    greedy = generic.generate(_sampled(reqs, [0.0]))
+    assert [x.token_ids for x in a] != [x.token_ids for x in greedy]  # sampling mattered
+    graphs.sleep()
+    assert ra.num_sample_graphs == 0
+    graphs.wake()
+    again = graphs.generate(_sampled(reqs, [0.9, 0.9, 0.9, 0.0]))
+    assert ra.num_captures == 2 and ra.num_sample_graphs >= 2
+    assert [x.token_ids for x in again] == [x.token_ids for x in a]
