@@ -473,8 +473,16 @@ class RolloutEngine:
         its Q queries, strictly increasing, i.e. a root-to-node path in topological order):
         move them to cache positions num_computed, num_computed + 1, ... and drop the rest.
         The caller appends the accepted tokens (and the bonus token) to seq.token_ids."""
-        idx = torch.as_tensor(accepted_slot_indices, dtype=torch.int64).reshape(-1).cpu()
         q = seq.pending_verify
+        if isinstance(accepted_slot_indices, (list, tuple)) and \
+                list(accepted_slot_indices) == list(range(len(accepted_slot_indices))) and \
+                len(accepted_slot_indices) <= q:
+            # A chain's accepted prefix: already in place, nothing to move (no tensor ops:
+            # this runs per sequence per speculative step).
+            seq.num_computed += len(accepted_slot_indices)
+            seq.pending_verify = 0
+            return
+        idx = torch.as_tensor(accepted_slot_indices, dtype=torch.int64).reshape(-1).cpu()
         if idx.numel():
             if int(idx.min()) < 0 or int(idx.max()) >= q:
                 raise ValueError(f"commit_kv: accepted indices {idx.tolist()} outside the last "
