@@ -235,6 +235,15 @@ class FastPlan:
     """query rows (tree nodes) per sequence."""
 
 
+def _canonical(device: torch.device | str) -> torch.device:
+    """The device with its index: torch.device("cuda") != torch.device("cuda:0"), and a
+    tensor's .device always carries the index (the in-place logits check compares them)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class VerifyMath:
     """The verification math of `SpecDecoder` on static buffers at a padded batch, replayed
     from a CUDA graph per (mode, bucket, Q) on CUDA (see the module docstring).
@@ -256,7 +265,7 @@ class VerifyMath:
     """
 
     def __init__(self, device: torch.device | str, vocab: int, *, use_graphs: bool, impl: str | None = None):
-        self.device = torch.device(device)
+        self.device = _canonical(device)
         self.vocab = vocab
         self.impl = impl
         impl_name = impl or os.environ.get("MEGATRON_TLT_VERIFY_IMPL", "auto")
@@ -565,7 +574,7 @@ class SpecDecoder:
         if not self.fast_verify:
             return None
         m = self._math
-        if m is None or m.device != torch.device(engine.device) or m.vocab != engine.arch.vocab_size:
+        if m is None or m.device != _canonical(engine.device) or m.vocab != engine.arch.vocab_size:
             m = self._math = VerifyMath(engine.device, engine.arch.vocab_size,
                                         use_graphs=self.verify_graphs, impl=self.verify_impl)
         return m
