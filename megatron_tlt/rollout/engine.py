@@ -155,9 +155,13 @@ class RolloutEngine:
 
     def sleep(self) -> None:
         """Release the KV cache memory (only between generate calls). Decode CUDA graphs
-        hold the pool's address: they are dropped here and recaptured at the next decode."""
+        hold the pool's address: they are dropped here and recaptured at the next decode;
+        so are the speculative decoder's verification buffers and graphs (hundreds of MB
+        of [batch x tree nodes x vocabulary] rows on real vocabularies)."""
         if self.decode_runner is not None:
             self.decode_runner.release()
+        if self.spec_decoder is not None:
+            self.spec_decoder.release_verify_graphs()
         self.cache.sleep()
 
     def wake(self) -> None:

@@ -326,6 +326,25 @@ def test_generate_with_hidden_states_fast(spec_models):
         assert torch.equal(a.hidden_states, b.hidden_states)
 
 
+def test_sleep_frees_the_verify_buffers(spec_models):
+    """engine.sleep() drops the fast path's big buffers (the trainer gets the memory back);
+    the next generate rebuilds them and emits the same tokens as before the sleep."""
+    d = spec_models["qwen2"]
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3], prompt_seed=7, max_new_tokens=12, seed=8, temperature=0.9)
+    ref, _, _, dec = _generate(d, reqs, "eagle", Strategy(depth=3), fast=True)
+    engine = make_engine(d, eos_token_ids=(3,))
+    engine.spec_decoder = dec
+    dec.reset()
+    first = engine.generate(reqs)
+    assert dec._math._dp is not None and dec._math._rows > 0  # sampled: static draft probs
+    engine.sleep()
+    assert dec._math._dp is None and dec._math._logits is None and dec._math._rows == 0
+    engine.wake()
+    again = engine.generate(reqs)
+    assert dec._math._dp is not None
+    assert tokens(first) == tokens(again) == tokens(ref)
+
+
 # ---- pieces ----------------------------------------------------------------------------
 
 
