@@ -155,8 +155,13 @@ def main(args: argparse.Namespace) -> int:
     decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name, strategy, arch, weights)
                 for name in opts.drafter_names}
     clock = _Clock(torch.device(device))
-    # Warm-up at every batch size: graphs, Triton kernels, the linear planner's row-count
-    # buckets (a verify runs B x Q rows), the verify extension; none of it in the timings.
+    # Warm-up: first one full-length run per drafter at the largest batch, so the
+    # drafter's KV slots and capacity reach their final size (growing them invalidates
+    # the drafting graphs); then every batch size: graphs, Triton kernels, the linear
+    # planner's row-count buckets (a verify runs B x Q rows), the verify extension.
+    # None of it in the timings.
+    for mode in opts.drafter_names:
+        _run(engine, decoders[mode], prompts[:max_b], opts, f"warmup-full-{mode}", clock)
     for b in sorted(set(opts.batch_sizes)):
         for mode in [None] + opts.drafter_names:
             _run(engine, decoders.get(mode), prompts[:b], opts, f"warmup-b{b}-{mode}", clock,
