@@ -325,15 +325,13 @@ class RolloutEngine:
             if not self.cache.ensure(seq.seq_id, hi):
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {hi} tokens")
             ids.extend(seq.token_ids[lo:hi])
-            pos = torch.arange(lo, hi)
-            positions.append(pos)
-            slots.append(self.cache.slots(seq.seq_id, pos, device="cpu"))  # one copy in _metadata
+            positions.extend(range(lo, hi))
+            slots.extend(self.cache.slot_range(seq.seq_id, lo, hi))
             starts.append(starts[-1] + hi - lo)
             ctx.append(hi)
-        meta = self._metadata(seqs, slots, starts, ctx, tree_mask=None)
+        meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=None, head=ids + positions)
         want_hidden = return_hidden or any(s.request.return_hidden_states for s in seqs)
-        out = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                 torch.cat(positions).to(self.device), self.cache, meta,
+        out = self.model.forward(head[:len(ids)], head[len(ids):], self.cache, meta,
                                  logits_indices=meta.query_start[1:] - 1,
                                  return_hidden=want_hidden)
         for b, seq in enumerate(seqs):
@@ -450,12 +448,12 @@ class RolloutEngine:
             base = seq.num_computed
             if not self.cache.ensure(seq.seq_id, base + q):
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {base + q} entries")
-            slots.append(self.cache.slots(seq.seq_id, torch.arange(base, base + q), device="cpu"))
+            slots.extend(self.cache.slot_range(seq.seq_id, base, base + q))
             starts.append(starts[-1] + q)
             ctx.append(base + q)
-        meta = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device))
-        ids = query_tokens.reshape(-1).to(self.device, torch.int64)
-        pos = positions.reshape(-1).to(self.device, torch.int64)
+        meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device),
+                                    head=query_tokens.reshape(-1).tolist() + positions.reshape(-1).tolist())
+        ids, pos = head[:bsz * q], head[bsz * q:]
         if self._fused_verify():
             out = self.decode_runner.verify(ids, pos, meta, return_hidden=return_hidden)
         else:
@@ -501,14 +499,23 @@ class RolloutEngine:
             seq.num_computed = base + idx.numel()
         seq.pending_verify = 0
 
-    def _metadata(self, seqs, slots, starts, ctx, tree_mask) -> AttentionMetadata:
+    def _metadata(self, seqs, slots: list[int], starts: list[int], ctx: list[int], tree_mask,
+                  head: list[int] = ()) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The attention metadata of a forward over `seqs` (slots, query starts, context
+        lengths, block tables padded with 0) and `head` (token ids and positions), all in
+        one host-to-device copy (this runs on every step): (metadata, head on the device)."""
+        b = len(seqs)
         tables = [self.cache.block_table(s.seq_id) for s in seqs]
         width = max(len(t) for t in tables)
-        bt = torch.zeros(len(seqs), width, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        dev = self.device
-        return AttentionMetadata(slot_mapping=torch.cat(slots).to(dev),
-                                 query_start=torch.tensor(starts, dtype=torch.int64, device=dev),
-                                 context_lens=torch.tensor(ctx, dtype=torch.int64, device=dev),
-                                 block_tables=bt.to(dev), tree_mask=tree_mask)
+        flat = list(head)
+        flat += slots
+        flat += starts
+        flat += ctx
+        for t in tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        h, n = len(head), len(slots)
+        parts = buf[h:].split([n, b + 1, b, b * width])
+        return AttentionMetadata(slot_mapping=parts[0], query_start=parts[1], context_lens=parts[2],
+                                 block_tables=parts[3].view(b, width), tree_mask=tree_mask), buf[:h]

@@ -136,6 +136,16 @@ class PagedKVCache:
         return (table[positions // self.block_size] * self.block_size
                 + positions % self.block_size).to(self.device if device is None else device)
 
+    def slot_range(self, seq_id: int, lo: int, hi: int) -> list[int]:
+        """Flat slot ids of cache positions lo..hi-1 of `seq_id`, as Python ints (the
+        engine's per-step metadata: no tensor op per sequence)."""
+        table = self._tables.get(seq_id, ())
+        bs = self.block_size
+        if hi > len(table) * bs:
+            raise RuntimeError(f"sequence {seq_id}: cache position {hi - 1} is beyond "
+                               f"its {len(table)} allocated blocks")
+        return [table[p // bs] * bs + p % bs for p in range(lo, hi)]
+
     @torch.no_grad()
     def move(self, seq_id: int, src_positions: torch.Tensor, dst_positions: torch.Tensor) -> None:
         """Copy the KV entries at cache positions `src_positions` ([N]) to `dst_positions`
