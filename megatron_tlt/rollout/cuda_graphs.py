@@ -445,7 +445,7 @@ class DecodeRunner:
         rows: list[int] = []
         cols: list[int] = []
         for i, seq in enumerate(seqs):
-            ban = seq.stop.banned_ids(len(seq.output_ids))
+            ban = seq.stop.banned_ids(seq.num_output)
             if ban:
                 rows.extend([i] * len(ban))
                 cols.extend(sorted(ban))
@@ -473,9 +473,7 @@ class DecodeRunner:
         vocab = self.vocab_size
         for seq in seqs:
             p = seq.request.sampling_params
-            # len(token_ids) - prompt_len == len(output_ids), without copying the output
-            if (0 < p.top_k < vocab or p.top_p < 1
-                    or seq.stop.banned_ids(len(seq.token_ids) - seq.prompt_len)):
+            if 0 < p.top_k < vocab or p.top_p < 1 or seq.stop.banned_ids(seq.num_output):
                 return None
         n, padded = len(seqs), served[1]
         bucket = padded.shape[0]

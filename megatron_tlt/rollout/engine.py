@@ -371,7 +371,7 @@ class RolloutEngine:
                 rows.append(i)
                 keys.append(seq.rng.key)
                 draws.append(seq.rng.take())
-            ban = seq.stop.banned_ids(len(seq.output_ids))
+            ban = seq.stop.banned_ids(seq.num_output)
             if ban:
                 if banned is None:
                     banned = torch.zeros(b, v, dtype=torch.bool)
@@ -402,7 +402,7 @@ class RolloutEngine:
         seq.logprobs.append(logprob)
         seq.processed_logprobs.append(processed_logprob)
         self.num_appended += 1
-        reason, stop = seq.stop.check(seq.output_ids, len(seq.token_ids) >= self.max_model_len)
+        reason, stop = seq.stop.check(seq.token_ids, seq.prompt_len, len(seq.token_ids) >= self.max_model_len)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop
             return True

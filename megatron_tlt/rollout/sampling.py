@@ -233,27 +233,28 @@ class StopChecker:
         """Token ids that may not be sampled as output token number `num_output` (0-based)."""
         return self.stop_ids if num_output < self.params.min_new_tokens else frozenset()
 
-    def check(self, output_ids: list[int],
+    def check(self, token_ids: list[int], prompt_len: int,
               max_len_reached: bool) -> tuple[str, int | str | None] | tuple[None, None]:
         """(finish_reason, stop_reason) once finished — ('stop', token id | string) or
-        ('length', None) — else (None, None). `output_ids` includes the newest token."""
-        n = len(output_ids)
+        ('length', None) — else (None, None). `token_ids` (prompt, then output) includes the
+        newest token; only its tail is read (this runs for every generated token, so it
+        must not copy the whole output)."""
+        n = len(token_ids) - prompt_len
         if n >= self.params.min_new_tokens:
-            if output_ids[-1] in self.stop_ids:
-                return "stop", output_ids[-1]
-            hit = self._stop_string(output_ids)
+            if token_ids[-1] in self.stop_ids:
+                return "stop", token_ids[-1]
+            hit = self._stop_string(token_ids[max(prompt_len, len(token_ids) - (self.max_stop_len + 8)):])
             if hit is not None:
                 return "stop", hit
         if n >= self.params.max_new_tokens or max_len_reached:
             return "length", None
         return None, None
 
-    def _stop_string(self, output_ids: list[int]) -> str | None:
+    def _stop_string(self, tail: list[int]) -> str | None:
+        """`tail`: the newest output tokens, enough to cover the longest stop string even
+        when tokens decode to one character (or none: partial UTF-8 pieces), plus slack."""
         if not self.params.stop_strings:
             return None
-        # Enough tail tokens to cover the longest stop string even when tokens decode to
-        # one character (or none: partial UTF-8 pieces), plus slack.
-        tail = output_ids[-(self.max_stop_len + 8):]
         text = self.detokenize(tail)
         prev = self.detokenize(tail[:-1]) if len(tail) > 1 else ""
         fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token

@@ -68,7 +68,12 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
+        """A copy of the output tokens (use num_output for the count)."""
         return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def num_pending(self) -> int:

@@ -582,7 +582,7 @@ class SpecDecoder:
     def _depth_cap(self, engine, seq) -> int:
         """Deepest draft worth verifying: the step emits <= depth + 1 tokens, within
         max_new_tokens and max_model_len."""
-        left = seq.request.sampling_params.max_new_tokens - len(seq.output_ids)
+        left = seq.request.sampling_params.max_new_tokens - seq.num_output
         return min(left - 1, engine.max_model_len - len(seq.token_ids) - 1)
 
     # ---- the step ---------------------------------------------------------------------
