@@ -38,21 +38,8 @@ Lossless and reproducible:
   drawing draft noise, that noise is simply skipped (fresh noise stays independent, so
   the distribution is unchanged; the tokens then differ from a run without SD).
 
-Verification fast path (`VerifyMath`): when every row of the step is greedy, or every row
-is sampled with temperature > 0, top-k and top-p off, and no min_new_tokens ban applies
-(`_ban` would be a no-op), the math after the verify forward runs on static buffers at a
-padded batch (a power of two, <= MATH_MAX_BATCH, bucket x Q <= MATH_MAX_ROWS): one pinned
-non-blocking copy of the per-row int table (tree, noise stream keys and draw numbers,
-temperature, node count), the noise drawn on the device, the verify op, the logprobs, the
-outputs packed into one buffer and ONE device-to-host copy. On CUDA the math is one graph
-replay per step (a graph per (bucket, Q, mode), captured lazily into one memory pool);
-`MEGATRON_TLT_VERIFY_MATH_GRAPHS=0` turns the graphs off (the same math then runs eagerly
-on the same buffers and shapes; read when the SpecDecoder is built). Other steps take the
-general path (`_verify_general`). The two compute the same function: bit for bit on CPU
-(tests/unit/test_verify_fast.py); on CUDA the padded shape may change a reduction's order
-and so the last bit of a probability (as a different batch size already could), never
-the distribution. Graph replay and the eager math at the same padded shape agree bit for
-bit (tests/gpu/test_spec_gpu.py).
+Verification fast path: megatron_tlt.spec.verify_math (`VerifyMath`), taken when it
+covers the step; other steps take the general path (`_verify_general`).
 
 Drafter interface (`Drafter`): `feature` names the target hidden states it needs
 ("final" or None); the decoder passes the rows of every newly committed position through
@@ -64,10 +51,8 @@ it will be re-prefilled and re-observed), `finish` is called when it is done.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import struct
 import time
 from typing import Callable
 
@@ -75,11 +60,11 @@ import torch
 
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
-from megatron_tlt.spec import _ops
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
 from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
-from megatron_tlt.spec.verify import VerifyOutput, nvtx_range, verify_tree_greedy, verify_tree_rejection
+from megatron_tlt.spec.verify import nvtx_range, verify_tree_greedy, verify_tree_rejection
+from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_device
 
 logger = logging.getLogger(__name__)
 
@@ -192,313 +177,6 @@ class ThresholdPolicy:
         return self.strategy
 
 
-MATH_MAX_BATCH = 64
-"""Largest batch bucket of the verification fast path; larger batches take the general path."""
-MATH_MAX_ROWS = 512
-"""Largest bucket x Q of the fast path: its static logits and draft-probability buffers hold
-this many vocabulary rows each (311 MB each at a 151,936 vocabulary)."""
-GRAPHS_ENV = "MEGATRON_TLT_VERIFY_MATH_GRAPHS"
-
-# Columns of the fast path's per-row int table after the tree (parents [0, Q), draft
-# tokens [Q, 2Q)): noise stream key, draw number of the coins, draw number of the exp-noise,
-# temperature (float64 bits), real nodes (root included).
-_KEY, _COIN_DRAW, _NOISE_DRAW, _TEMP, _NODES = range(5)
-_NCOL = 5
-
-
-def _f64_bits(x: float) -> int:
-    """The IEEE float64 bits of x as a signed int64 (read back on the device with .view)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def sampled_probs(logits: torch.Tensor,  # [B, Q, vocab]
-                  temperature: torch.Tensor,  # [B] float32, > 0
-                  ) -> torch.Tensor:  # [B, Q, vocab] float32
-    """process_logits(logits, temperature) with temperature > 0 and top-k, top-p off: its
-    ops in its order (divide, softmax, renormalise) without the greedy branch it adds for
-    tensor temperatures (an argmax and a one-hot of [B, Q, vocab]). Bit for bit the same
-    (tests/unit/test_verify_fast.py)."""
-    probs = torch.softmax(logits.float() / temperature[:, None, None], dim=-1)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class FastPlan:
-    """A verify step the fast path takes (`VerifyMath.plan`)."""
-
-    mode: str
-    """"greedy"; "sampled" (draft_probs given); "one_hot" (sampled, one-hot proposals)."""
-    batch: int
-    bucket: int
-    """batch padded to a power of two."""
-    q: int
-    """query rows (tree nodes) per sequence."""
-
-
-def _canonical(device: torch.device | str) -> torch.device:
-    """The device with its index: torch.device("cuda") != torch.device("cuda:0"), and a
-    tensor's .device always carries the index (the in-place logits check compares them)."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-class VerifyMath:
-    """The verification math of `SpecDecoder` on static buffers at a padded batch, replayed
-    from a CUDA graph per (mode, bucket, Q) on CUDA (see the module docstring).
-
-    Static inputs: the per-row int table [bucket, 2Q + 5] (`_load`: one pinned, non-blocking
-    host-to-device copy), the logits [bucket, Q, vocab] (the verify forward's output read in
-    place when its storage holds bucket x Q rows at the address the graph was captured
-    with, e.g. the decode runner's static verify logits; else copied into our buffer), the
-    draft probabilities [bucket, Q, vocab] (written by TreeBatch.pack). Outputs: one
-    float64 buffer [bucket, 4Q + 1] (accept_index, accept_length, output tokens, logprobs,
-    processed logprobs) fetched with one device-to-host copy, and the accepted nodes' rows
-    [bucket, Q] for the hidden-state gather.
-
-    Padding sequences (rows batch..bucket) are a root alone (token 0, every other node
-    padding): valid input that reads no draft probability and no coin; their outputs are
-    ignored. Their logits rows hold whatever was there (zeros, an earlier step's rows).
-    With max_depth = Q - 1 the ops give the general path's walk (no tree is deeper), with
-    more -1 columns.
-    """
-
-    def __init__(self, device: torch.device | str, vocab: int, *, use_graphs: bool, impl: str | None = None):
-        self.device = _canonical(device)
-        self.vocab = vocab
-        self.impl = impl
-        impl_name = impl or os.environ.get("MEGATRON_TLT_VERIFY_IMPL", "auto")
-        # Capture needs the compiled CUDA op (the PyTorch reference loops on data: syncs).
-        self.use_graphs = bool(use_graphs and self.device.type == "cuda" and impl_name != "reference"
-                               and _ops.has_kernel("cuda"))
-        self._static: dict[tuple[int, int], dict] = {}  # (bucket, Q) -> small static tensors
-        self._rows = 0  # vocabulary rows the big buffers hold
-        self._logits: torch.Tensor | None = None  # [rows * vocab] float32
-        self._dp: torch.Tensor | None = None  # [rows * vocab] float32
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, bucket, Q, source ptr)
-        self._in_place: dict[tuple[str, int, int], int] = {}  # (mode, bucket, Q) -> ptr
-        self._in_place_miss: dict[tuple[str, int, int], int] = {}  # the last other ptr seen
-        self._pool = None
-        self.num_steps = 0
-        self.num_captures = 0
-        self.num_replays = 0
-
-    @staticmethod
-    def plan(seqs, trees: list[DraftTree], vocab: int) -> FastPlan | None:
-        """The fast path's plan for this step, or None (general path)."""
-        b = len(seqs)
-        if b > MATH_MAX_BATCH:
-            return None
-        bucket = 1 << (b - 1).bit_length()
-        q = max(len(t.tokens) for t in trees)
-        if bucket * q > MATH_MAX_ROWS:
-            return None
-        greedy = 0
-        for s in seqs:
-            # banned_ids(n) is empty for every n >= min_new_tokens: none at the root's output
-            # position means none at any node (`_ban` would be a no-op).
-            if s.stop.banned_ids(len(s.token_ids) - s.prompt_len):
-                return None
-            p = s.request.sampling_params
-            if p.temperature <= 0:
-                greedy += 1
-            elif not ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1):
-                return None
-        if greedy == b:
-            mode = "greedy"
-        elif greedy == 0:
-            mode = "sampled" if any(t.draft_probs is not None for t in trees) else "one_hot"
-        else:
-            return None
-        return FastPlan(mode=mode, batch=b, bucket=bucket, q=q)
-
-    # ---- buffers ----------------------------------------------------------------------
-
-    def release(self) -> None:
-        """Drop the graphs, their memory pool and the big buffers."""
-        self._graphs.clear()
-        self._in_place.clear()
-        self._in_place_miss.clear()
-        self._pool = None
-        self._logits = self._dp = None
-        self._rows = 0
-
-    def _reserve(self, rows: int) -> None:
-        """Big buffers for `rows` vocabulary rows. Growing drops every graph (they hold the
-        old addresses); batches mostly shrink during a rollout, so this is rare."""
-        if rows > self._rows:
-            self.release()
-            self._rows = rows
-
-    def _big(self, name: str, bucket: int, q: int) -> torch.Tensor:  # [bucket, Q, vocab]
-        buf = getattr(self, name)
-        if buf is None:  # zeros: padding rows start finite
-            buf = torch.zeros(self._rows * self.vocab, dtype=torch.float32, device=self.device)
-            setattr(self, name, buf)
-        return buf[:bucket * q * self.vocab].view(bucket, q, self.vocab)
-
-    def draft_probs_buffer(self, plan: FastPlan) -> torch.Tensor:  # [bucket, Q, vocab] float32
-        """The static draft probabilities, for TreeBatch.pack(probs_out=...)."""
-        self._reserve(plan.bucket * plan.q)
-        return self._big("_dp", plan.bucket, plan.q)
-
-    def _small(self, bucket: int, q: int) -> dict:
-        st = self._static.get((bucket, q))
-        if st is None:
-            dev, ncol = self.device, 2 * q + _NCOL
-            rows = torch.arange(bucket, device=dev)[:, None]
-            st = {"ints": torch.zeros(bucket, ncol, dtype=torch.int64, device=dev),
-                  "host": torch.zeros(bucket, ncol, dtype=torch.int64, pin_memory=dev.type == "cuda"),
-                  "pad": [-1] * q + [0] + [-1] * (q - 1) + [0, 0, 0, _f64_bits(1.0), 1],
-                  "verify": VerifyOutput.empty(bucket, q - 1, dev),
-                  "out": torch.zeros(bucket, 4 * q + 1, dtype=torch.float64, device=dev),
-                  "gidx": torch.zeros(bucket, q, dtype=torch.int64, device=dev),
-                  "rows": rows, "base": rows * q, "cols": torch.arange(q, device=dev),
-                  "zeros": torch.zeros(bucket, q, dtype=torch.float64, device=dev)}
-            self._static[(bucket, q)] = st
-        return st
-
-    def _load(self, plan: FastPlan, seqs, trees: list[DraftTree]) -> None:
-        """The per-row int table, built in Python, host -> device in one copy. Sampled rows
-        take their two draws here, coins first (the order of the general path)."""
-        st = self._small(plan.bucket, plan.q)
-        q, sampled = plan.q, plan.mode != "greedy"
-        one = _f64_bits(1.0)
-        rows = []
-        for s, t in zip(seqs, trees):
-            k = len(t.tokens)
-            pad = [-1] * (q - k)
-            if sampled:
-                rng = s.rng
-                tail = [rng.key, rng.take(), rng.take(), _f64_bits(s.request.sampling_params.temperature), k]
-            else:
-                tail = [0, 0, 0, one, k]
-            rows.append(t.parents + pad + t.tokens + pad + tail)
-        rows.extend([st["pad"]] * (plan.bucket - plan.batch))
-        table = torch.tensor(rows, dtype=torch.int64)
-        if self.device.type == "cuda":
-            # Reusing the pinned buffer is safe: the previous step's copy out of it finished
-            # before that step's blocking device-to-host copy of the outputs returned.
-            st["host"].copy_(table)
-            st["ints"].copy_(st["host"], non_blocking=True)
-        else:
-            st["ints"].copy_(table)
-
-    def _source(self, plan: FastPlan, logits: torch.Tensor,  # [B * Q, vocab]
-                ) -> tuple[torch.Tensor, int | None]:
-        """(logits [bucket, Q, vocab] the math reads, the data_ptr when read in place)."""
-        n, v = plan.bucket * plan.q, self.vocab
-        self._reserve(n)
-        if (logits.dtype == torch.float32 and logits.device == self.device and logits.dim() == 2
-                and logits.shape[1] == v and logits.is_contiguous()
-                and logits.untyped_storage().nbytes() >= (logits.storage_offset() + n * v) * 4):
-            ptr = logits.data_ptr()
-            if not self.use_graphs or self._in_place_ok((plan.mode, plan.bucket, plan.q), ptr):
-                return logits.as_strided((plan.bucket, plan.q, v), (plan.q * v, v, 1)), ptr
-        own = self._big("_logits", plan.bucket, plan.q)
-        own.view(n, v)[:logits.shape[0]].copy_(logits)
-        return own, None
-
-    def _in_place_ok(self, key: tuple[str, int, int], ptr: int) -> bool:
-        """One in-place graph per (mode, bucket, Q), reading the first address seen (the
-        decode runner's static verify logits, normally); other addresses are copied. An
-        address seen on two steps in a row instead of it takes over (the runner's buffer
-        moved, e.g. after engine.sleep()); the old graph is dropped. Alternating addresses
-        (fresh allocations) never take over, so graphs are not recaptured every step."""
-        cur = self._in_place.setdefault(key, ptr)
-        if cur == ptr:
-            self._in_place_miss.pop(key, None)
-            return True
-        if self._in_place_miss.get(key) != ptr:
-            self._in_place_miss[key] = ptr
-            return False
-        del self._in_place_miss[key]
-        self._graphs.pop(key + (cur,), None)
-        self._in_place[key] = ptr
-        return True
-
-    # ---- the math ---------------------------------------------------------------------
-
-    def run(self, plan: FastPlan, seqs, trees: list[DraftTree],
-            logits: torch.Tensor,  # [B * Q, vocab] the verify forward's logits
-            ) -> tuple[list[list[float]], torch.Tensor]:
-        """(host rows [B][4Q + 1], accepted nodes' rows of the verify output [B, Q] on the
-        device)."""
-        self._reserve(plan.bucket * plan.q)
-        st = self._small(plan.bucket, plan.q)
-        self._load(plan, seqs, trees)
-        src, ptr = self._source(plan, logits)
-        if self.use_graphs:
-            key = (plan.mode, plan.bucket, plan.q, ptr)
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._graphs[key] = self._capture(plan, src)
-            graph.replay()
-            self.num_replays += 1
-        else:
-            self._math(plan.mode, plan.bucket, plan.q, src)
-        self.num_steps += 1
-        return st["out"][:plan.batch].cpu().tolist(), st["gidx"][:plan.batch]  # the one D2H copy
-
-    def _capture(self, plan: FastPlan, src: torch.Tensor) -> "torch.cuda.CUDAGraph":
-        """Warm up on a side stream (first-call initialisation stays out of the graph),
-        then capture into the shared pool. Graphs never run concurrently and their outputs
-        are our static buffers, so they can share the pool's intermediates."""
-        dev = self.device
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        cur = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            self._math(plan.mode, plan.bucket, plan.q, src)
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._math(plan.mode, plan.bucket, plan.q, src)
-        self.num_captures += 1
-        return graph
-
-    def _math(self, mode: str, bucket: int, q: int,
-              logits: torch.Tensor,  # [bucket, Q, vocab] float32
-              ) -> None:
-        """The general path's math (`SpecDecoder._verify_general`) for one mode, on the
-        static buffers, with no host sync (capturable)."""
-        st = self._static[(bucket, q)]
-        ints, out, dev = st["ints"], st["verify"], self.device
-        parents, tokens, col = ints[:, :q], ints[:, q:2 * q], ints[:, 2 * q:]
-        if mode == "greedy":
-            verify_tree_greedy(parents, tokens, logits, max_depth=q - 1, out=out, validate=False,
-                               impl=self.impl)
-        else:
-            keys = col[:, _KEY]
-            temp = col[:, _TEMP].view(torch.float64).float()  # as torch.tensor(float32) rounds
-            # The coins are drawn on the device, the general path draws them on the CPU: the
-            # same values. noise_bits is integer SplitMix64 (wrapping int64 arithmetic, the
-            # same bits on any device); uniform_noise turns the top 24 bits k into float32
-            # (exact), adds 1/2 (one IEEE round-to-nearest-even, the same on CPU and GPU;
-            # exact for k < 2^23) and scales by 2^-24 (exact).
-            coins = uniform_noise(keys, col[:, _COIN_DRAW], q, dev)
-            coins = torch.where(st["cols"] < col[:, _NODES, None], coins, 0.5)  # unused ones: 0.5
-            noise = exponential_noise(keys, col[:, _NOISE_DRAW], self.vocab, dev)
-            probs = sampled_probs(logits, temp)
-            dp = self._big("_dp", bucket, q) if mode == "sampled" else None
-            verify_tree_rejection(parents, tokens, probs, dp, coins, noise, max_depth=q - 1, out=out,
-                                  validate=False, impl=self.impl)
-        node = out.accept_index.clamp(min=0)
-        tok = out.output_tokens.clamp(min=0)
-        rows = st["rows"]
-        x = logits[rows, node]  # [bucket, Q, vocab]
-        if mode != "greedy":  # greedy: T = 1, and x / 1 == x exactly
-            x = x / temp[:, None, None]
-        lp = torch.log_softmax(x, dim=-1).gather(-1, tok[:, :, None])[:, :, 0]
-        plp = st["zeros"] if mode == "greedy" else probs[rows, node, tok].log().double()
-        torch.cat([out.accept_index.double(), out.accept_length[:, None].double(),
-                   out.output_tokens.double(), lp.double(), plp], 1, out=st["out"])
-        torch.add(st["base"], node, out=st["gidx"])
-
-
 class SpecDecoder:
     """Speculative decoding for a RolloutEngine: `engine.spec_decoder = SpecDecoder(...)`."""
 
@@ -574,7 +252,7 @@ class SpecDecoder:
         if not self.fast_verify:
             return None
         m = self._math
-        if m is None or m.device != _canonical(engine.device) or m.vocab != engine.arch.vocab_size:
+        if m is None or m.device != canonical_device(engine.device) or m.vocab != engine.arch.vocab_size:
             m = self._math = VerifyMath(engine.device, engine.arch.vocab_size,
                                         use_graphs=self.verify_graphs, impl=self.verify_impl)
         return m

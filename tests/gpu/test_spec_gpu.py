@@ -87,7 +87,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import test_verify_fast as vf  # noqa: E402
 
 from megatron_tlt.rollout.sampling import noise_bits, uniform_noise  # noqa: E402
-from megatron_tlt.spec.decode import MATH_MAX_ROWS, VerifyMath  # noqa: E402
+from megatron_tlt.spec.verify_math import MATH_MAX_ROWS, VerifyMath  # noqa: E402
 from megatron_tlt.spec.tree import DraftTree  # noqa: E402
 
 

@@ -24,10 +24,11 @@ from spec_testutil import (DRAFTERS, VOCAB, make_engine, one_thread, requests,  
 
 from megatron_tlt.rollout.sampling import (NoiseStream, SamplingParams, StopChecker,  # noqa: E402
                                            noise_bits, uniform_noise)
-from megatron_tlt.spec.decode import SpecDecoder, VerifyMath, sampled_probs  # noqa: E402
+from megatron_tlt.spec.decode import SpecDecoder  # noqa: E402
 from megatron_tlt.spec.sampling_ref import process_logits  # noqa: E402
 from megatron_tlt.spec.tree import (DraftTree, Strategy, TreeBatch, ancestor_mask,  # noqa: E402
                                     node_depths)
+from megatron_tlt.spec.verify_math import VerifyMath, sampled_probs  # noqa: E402
 
 # ---- synthetic steps -------------------------------------------------------------------
 
