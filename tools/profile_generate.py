@@ -101,7 +101,9 @@ def main() -> None:
         ps = prompts[:b]
         row = {"batch": b}
         for mode, dec in (("off", None), ("eagle", decoder)):
-            _wall(engine, dec, ps, a.temperature, long_, f"warm-{mode}-{b}")  # graphs, planner, drafter KV growth: no capture inside the timed runs
+            # Warm-up at the long length: graphs, planner, drafter KV growth (no capture
+            # inside the timed runs).
+            _wall(engine, dec, ps, a.temperature, long_, f"warm-{mode}-{b}")
             w_s, tok_s, st_s = _wall(engine, dec, ps, a.temperature, short, f"s-{mode}-{b}")
             w_l, tok_l, st_l = _wall(engine, dec, ps, a.temperature, long_, f"l-{mode}-{b}")
             if dec is None:

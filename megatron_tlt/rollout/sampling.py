@@ -243,9 +243,10 @@ class StopChecker:
         if n >= self.params.min_new_tokens:
             if token_ids[-1] in self.stop_ids:
                 return "stop", token_ids[-1]
-            hit = self._stop_string(token_ids[max(prompt_len, len(token_ids) - (self.max_stop_len + 8)):])
-            if hit is not None:
-                return "stop", hit
+            if self.params.stop_strings:  # no tail slice per token without stop strings
+                hit = self._stop_string(token_ids[max(prompt_len, len(token_ids) - (self.max_stop_len + 8)):])
+                if hit is not None:
+                    return "stop", hit
         if n >= self.params.max_new_tokens or max_len_reached:
             return "length", None
         return None, None
@@ -253,8 +254,6 @@ class StopChecker:
     def _stop_string(self, tail: list[int]) -> str | None:
         """`tail`: the newest output tokens, enough to cover the longest stop string even
         when tokens decode to one character (or none: partial UTF-8 pieces), plus slack."""
-        if not self.params.stop_strings:
-            return None
         text = self.detokenize(tail)
         prev = self.detokenize(tail[:-1]) if len(tail) > 1 else ""
         fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token
