@@ -4,7 +4,7 @@ target, side by side in one run, per batch size.
     megatron-tlt bench spec --model DIR --json FILE [--drafter DIR] [--drafters eagle,ngram]
         [--batch-sizes 1,4,16,32] [--temperature 0.9] [--max-new-tokens 256]
         [--tasks arith,sort | --prompts FILE.jsonl] [--spec-depth D --spec-topk K
-        --spec-num-verify N] [--repeats R] [--seed S]
+        --spec-num-verify N] [--repeats R] [--profile-batch-sizes 1,32] [--seed S]
 
 For each batch size B, the first B prompts (synthetic tasks, or a prompts file) are
 generated with `--spec off` and with each drafter, on ONE engine (same weights, same
@@ -14,13 +14,19 @@ tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py
 `speedup` = SD tokens/s / off tokens/s. At temperature > 0 the modes draw different
 tokens (lossless means same distribution, not same samples), so response lengths differ:
 tokens/s, not wall time, is the comparable figure; the mean lengths are reported too.
+Each run also records its engine steps, ms per step and `events`: graph captures and
+kernel-planner timings that happened inside it (they belong in the warm-up; a timed run
+that holds one is slower than steady state).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -50,6 +56,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="after the timed runs, one more run per (B, drafter) of this many new "
                         "tokens with the device synchronised around each phase of the SD step, "
                         "reported as ms per step per phase (0: skip)")
+    p.add_argument("--profile-batch-sizes", type=_int_list, default=[],
+                   help="also run each mode once more at these batch sizes under cProfile "
+                        "(untimed; the top functions by own time go to the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     args = p.parse_args(extra)
@@ -74,8 +83,27 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
     return [(str(pid), ids) for pid, ids in out[:n]]
 
 
+def _counters(engine, decoder) -> dict[str, int]:
+    """Counters of the work that should happen once (graph captures, kernel-planner
+    timings), to show that none of it fell into a timed run."""
+    out: dict[str, int] = {}
+    r = engine.decode_runner
+    if r is not None:
+        out.update(decode_captures=r.num_captures, sample_graphs=r.num_sample_graphs,
+                   verify_graphs=len(r._vgraphs),
+                   planner_plans=len(r.model.planner.plans) + len(r.model.planner.fused))
+    if decoder is not None:
+        m = decoder._math
+        if m is not None:
+            out["verify_math_captures"] = m.num_captures
+        g = getattr(decoder.drafter, "_chain_graphs", None)
+        if g is not None:
+            out.update(draft_captures=g.num_captures, draft_invalidations=g.num_invalidations)
+    return out
+
+
 def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
-         max_new_tokens: int | None = None) -> dict:
+         max_new_tokens: int | None = None, profile: bool = False) -> dict:
     from megatron_tlt.rollout import Request, SamplingParams
     params = SamplingParams(temperature=args.temperature, seed=args.seed,
                             max_new_tokens=max_new_tokens or args.max_new_tokens)
@@ -84,17 +112,33 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     engine.spec_decoder = decoder
     if decoder is not None:
         decoder.metrics.reset()
+    before, steps0 = _counters(engine, decoder), engine.num_steps
+    prof = cProfile.Profile() if profile else None
     clock.sync()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     results = engine.generate(reqs)
+    if prof is not None:
+        prof.disable()
     clock.sync()
     wall = time.perf_counter() - t0
     errors = [r.error for r in results if r.error]
     if errors:
         raise TLTError(f"bench spec: a request failed: {errors[0]}")
     tokens = sum(len(r.token_ids) for r in results)
+    steps = engine.num_steps - steps0
+    after = _counters(engine, decoder)
     row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
-           "mean_len": tokens / len(results)}
+           "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),
+           "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
+           # Graph captures, recaptures and kernel-planner timings during this run: each
+           # costs milliseconds to seconds of wall time (none expected after the warm-up).
+           "events": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}}
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        row["cprofile"] = text.getvalue()
     if decoder is not None:
         t = decoder.metrics.summary()["total"]
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
@@ -216,6 +260,13 @@ def main(args: argparse.Namespace) -> int:
                    if mode != "off" else "")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
                   f"{row['mean_len']:.1f}{acc}", flush=True)
+        if b in opts.profile_batch_sizes:
+            for mode in runs:
+                row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)
+                row["profile"] = _run(engine, decoders.get(mode), prompts[:b], opts,
+                                      f"b{b}-profile-{mode}", clock, profile=True)
+                print(f"B={b:>3} {mode:>5} under cProfile: {row['profile']['ms_per_step']:.2f} ms per "
+                      f"engine step", flush=True)
         if opts.breakdown_tokens > 0:
             for mode in opts.drafter_names:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)

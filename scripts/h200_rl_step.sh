@@ -47,7 +47,7 @@ if [ "${SKIP_BENCH_SPEC:-0}" != 1 ] && [ ! -f "$OUT/bench_spec.json" ]; then
   echo "[h200_rl_step] SD benchmark: eagle and ngram vs off at T=0.9, batch 1/4/16/32"
   $PY -m megatron_tlt bench spec --json "$OUT/bench_spec.json" --model "$OUT/sft/hf" \
       --drafter "$OUT/drafter" --drafters eagle,ngram --batch-sizes 1,4,16,32 \
-      --temperature 0.9 --max-new-tokens 256 --tasks arith,sort 2>&1 | tail -n 14
+      --temperature 0.9 --max-new-tokens 256 --tasks arith,sort --profile-batch-sizes 1,32 2>&1 | tail -n 20
   echo "[h200_rl_step] SD benchmark done at $(( $(date +%s) - t0 )) s"
   keep "$OUT/bench_spec.json"
 fi

@@ -28,7 +28,8 @@ def test_bench_spec_cpu(tmp_path, capsys):
     path = tmp_path / "spec.json"
     rc = main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
                "--drafters", "eagle,ngram", "--batch-sizes", "1,3", "--max-new-tokens", "12",
-               "--tasks", "sort", "--device", "cpu", "--spec-depth", "3"])
+               "--tasks", "sort", "--device", "cpu", "--spec-depth", "3",
+               "--profile-batch-sizes", "3"])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["command"].startswith("megatron-tlt bench spec --json ")
@@ -38,6 +39,13 @@ def test_bench_spec_cpu(tmp_path, capsys):
     assert sorted(rows) == [(1, "eagle"), (1, "ngram"), (1, "off"), (3, "eagle"), (3, "ngram"), (3, "off")]
     for (b, mode), r in rows.items():
         assert r["tokens_per_s"] > 0 and 0 < r["mean_len"] <= 12
+        run = r["repeats"][0]
+        # Engine steps: at least the longest response's tokens / (depth + 1), at most its length + 1.
+        assert -(-run["max_len"] // 4) <= run["steps"] <= run["max_len"] + 1
+        assert run["events"] == {}  # CPU: no graphs, no planner
+        assert ("profile" in r) == (b == 3)
+        if b == 3:
+            assert "function calls" in r["profile"]["cprofile"] and r["profile"]["steps"] > 0
         if mode == "off":
             assert "speedup" not in r
         else:
