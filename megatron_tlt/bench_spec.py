@@ -61,6 +61,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "(untimed; the top functions by own time go to the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="engine dtype (auto: the checkpoint's on a GPU, float32 on the CPU)")
     args = p.parse_args(extra)
     if args.max_new_tokens < 1 or args.repeats < 1 or args.temperature < 0:
         raise TLTError("bench spec: --max-new-tokens and --repeats must be >= 1, --temperature >= 0")
@@ -174,13 +176,15 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout.cli import _eos_ids, _spec_decoder
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
-    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf
     from megatron_tlt.spec.tree import Strategy
 
     opts = parse_args(list(getattr(args, "extra", []) or []))
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    arch, weights = load_hf(opts.model, device=device)
+    arch, weights = load_hf(opts.model, device=device,
+                            dtype=engine_dtype(ModelArch.from_hf_dir(opts.model), device, opts.dtype))
     try:
         tokenizer = load_tokenizer(opts.model)
     except TLTError:
@@ -218,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
                   "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   "model": os.path.abspath(opts.model), "drafter": opts.drafter,
                   "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
-                  "engine": {"attention_backend": "triton" if engine.decode_runner is not None else "torch",
+                  "engine": {"dtype": str(weights.dtype).replace("torch.", ""),
+                             "attention_backend": "triton" if engine.decode_runner is not None else "torch",
                              "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs")),
                              "verify_graph_rows": _verify_graph_rows(engine)},
                   "definitions": {

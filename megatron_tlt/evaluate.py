@@ -150,6 +150,7 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
     from megatron_tlt.data.tasks import get_task, make_dataset
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout import Request, RolloutEngine, SamplingParams, load_hf
+    from megatron_tlt.rollout.weights import engine_dtype
 
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
@@ -173,9 +174,7 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
     tokenizer = load_tokenizer(tokenizer or model_dir)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32
-    if not device.startswith("cpu"):
-        dtype = {"float32": torch.float32, "float16": torch.float16}.get(declared.torch_dtype, torch.bfloat16)
+    dtype = engine_dtype(declared, device)
     arch, weights = load_hf(model_dir, dtype=dtype, device=device)
     max_len = arch.max_position_embeddings
     requests = []

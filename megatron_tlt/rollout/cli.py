@@ -38,7 +38,7 @@ from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
 
 SPEC_CHOICES = ("off", "eagle", "ngram", "adaptive")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,7 +73,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: enough for --max-num-seqs of the longest requests)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", choices=("auto",) + tuple(_DTYPES), default="auto")
+    g.add_argument("--dtype", choices=("auto",) + _DTYPES, default="auto")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     return parser
 
@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.request import Result, expand_requests
     from megatron_tlt.rollout.sampling import SamplingParams
-    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     spec = _arg(args, "spec", "off")
     strategy = _spec_strategy(args, spec)
@@ -173,18 +173,13 @@ def main(args: argparse.Namespace) -> int:
     device = _arg(args, "device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype_name = _arg(args, "dtype", "auto")
     arch = ModelArch.from_hf_dir(args.model)
-    if dtype_name == "auto":
-        if device == "cpu":
-            dtype_name = "float32"
-        else:
-            dtype_name = arch.torch_dtype if arch.torch_dtype in _DTYPES else "bfloat16"
+    dtype = engine_dtype(arch, device, _arg(args, "dtype", "auto"))
     try:
         params.check(arch.vocab_size)
     except TLTError as e:
         raise TLTError(f"sampling flags: {e}") from None
-    arch, weights = load_hf(args.model, dtype=_DTYPES[dtype_name], device=device)
+    arch, weights = load_hf(args.model, dtype=dtype, device=device)
     tokenizer = _load_tokenizer(args.model, needed=any("prompt" in r for _, r in records))
     if params.stop_strings and tokenizer is None:
         raise TLTError(f"--stop needs a tokenizer, and none could be loaded from {args.model}")
@@ -214,7 +209,7 @@ def main(args: argparse.Namespace) -> int:
                         // block_size) for r in requests), reverse=True) or [1]
         num_blocks = max(1, sum(per[:max_num_seqs]))
     engine = RolloutEngine(arch, weights, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                           block_size=block_size, dtype=_DTYPES[dtype_name], device=device,
+                           block_size=block_size, dtype=dtype, device=device,
                            max_model_len=max_model_len, eos_token_ids=_eos_ids(args.model, tokenizer),
                            detokenize=(lambda t: tokenizer.decode(t, skip_special_tokens=True))
                            if tokenizer is not None else None, seed=args.seed,

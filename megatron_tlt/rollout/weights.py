@@ -214,10 +214,27 @@ def _group_by_file(names: Iterable[str], files: dict[str, str]) -> dict[str, lis
     return by_file
 
 
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_dtype(arch: ModelArch, device: str | torch.device, name: str = "auto") -> torch.dtype:
+    """The dtype to run a checkpoint in: `name`, or for "auto" float32 on the CPU (the
+    exact reference path of the tests) and the checkpoint's own dtype (config.json
+    torch_dtype; bfloat16 when it names none the engine runs) on an accelerator."""
+    if name == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        return ENGINE_DTYPES.get(arch.torch_dtype, torch.bfloat16)
+    if name not in ENGINE_DTYPES:
+        raise TLTError(f"dtype must be auto or one of {sorted(ENGINE_DTYPES)}, got {name!r}")
+    return ENGINE_DTYPES[name]
+
+
 @torch.no_grad()
 def load_hf(model_dir: str, *, dtype: torch.dtype = torch.float32,
             device: str | torch.device = "cpu") -> tuple[ModelArch, EngineWeights]:
-    """Read config.json and safetensors weights from an HF directory into engine layout.
+    """Read config.json and safetensors weights from an HF directory into engine layout,
+    cast to `dtype` (float32 unless asked: pick it with `engine_dtype`).
 
     Raises CheckpointError naming the tensor for a missing tensor, a tensor the engine
     does not know (it would otherwise be silently dropped) or a shape mismatch.

@@ -34,6 +34,7 @@ def test_bench_spec_cpu(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert report["command"].startswith("megatron-tlt bench spec --json ")
     assert report["git_revision"] and report["engine"]["attention_backend"] == "torch"
+    assert report["engine"]["dtype"] == "float32"  # auto on the CPU
     assert report["complete"] is True
     rows = {(r["batch"], r["mode"]): r for r in report["results"]}
     assert sorted(rows) == [(1, "eagle"), (1, "ngram"), (1, "off"), (3, "eagle"), (3, "ngram"), (3, "off")]

@@ -153,3 +153,23 @@ def test_make_dummy_runs():
     eng = RolloutEngine(arch, EngineWeights.make_dummy(arch), num_blocks=8, block_size=4)
     (r,) = eng.generate([Request(prompt_id=0, prompt_token_ids=[1, 2, 3])])
     assert len(r.token_ids) == 16 and all(0 <= t < 131 for t in r.token_ids)
+
+
+def test_engine_dtype():
+    """auto: float32 on the CPU, the checkpoint's dtype elsewhere (bench spec ran the target
+    in float32 on the GPU before this helper: twice the bytes of a bfloat16 checkpoint)."""
+    import dataclasses
+
+    from megatron_tlt.errors import TLTError
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout.weights import engine_dtype
+
+    arch = dataclasses.replace(ModelArch.from_hf_dir("megatron_tlt/assets/tiny_default"), torch_dtype="bfloat16")
+    assert engine_dtype(arch, "cpu") == torch.float32
+    assert engine_dtype(arch, "cuda") == torch.bfloat16
+    assert engine_dtype(dataclasses.replace(arch, torch_dtype="float16"), "cuda:1") == torch.float16
+    assert engine_dtype(dataclasses.replace(arch, torch_dtype="int8"), "cuda") == torch.bfloat16
+    assert engine_dtype(arch, "cpu", "bfloat16") == torch.bfloat16
+    assert engine_dtype(arch, "cuda", "float32") == torch.float32
+    with pytest.raises(TLTError, match="dtype must be auto or one of"):
+        engine_dtype(arch, "cpu", "fp8")
