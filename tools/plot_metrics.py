@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Render an RL run's metrics.jsonl to PNG plots: reward, response lengths, phase times,
-acceptance length.
+rollout time per running-batch bucket (and the long tail's share), acceptance length.
 
     python tools/plot_metrics.py runs/tiny/metrics.jsonl --out runs/tiny/plots
 
@@ -19,7 +19,8 @@ PANELS = {
     "reward": ["reward_mean"],
     "lengths": ["len_p50", "len_p90", "len_p99", "len_max"],
     "phase_times": ["t_rollout", "t_reward", "t_logprobs", "t_update", "t_weight_sync", "t_step"],
-    "acceptance": ["acceptance_length", "acceptance_rate"],
+    "rollout_time": ["t_rollout_tail", "t_rollout_b*"],
+    "acceptance": ["acceptance_length", "acceptance_rate", "accept_len_b*"],
     "loss": ["pg_loss", "clip_frac", "kl_ref", "train_infer_logp_gap", "entropy_est"],
 }
 
@@ -46,8 +47,11 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
 
     os.makedirs(out_dir, exist_ok=True)
     written = []
+    logged = list(dict.fromkeys(k for r in rows for k in r))  # first-seen order
     for name, keys in PANELS.items():
-        present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
+        # "prefix*" stands for every logged metric of that prefix (per-bucket metrics).
+        names = [m for k in keys for m in ([x for x in logged if x.startswith(k[:-1])] if k.endswith("*") else [k])]
+        present = [k for k in names if any(isinstance(r.get(k), (int, float)) for r in rows)]
         if not present:
             continue
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from megatron_tlt.convert import is_conversion_of
 from megatron_tlt.errors import CheckpointError, ConfigError, TLTError
+from megatron_tlt.spec.stats import bucket_of
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,32 @@ def _percentiles(xs: list[int]) -> dict:
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
     return {"len_p50": pick(0.5), "len_p90": pick(0.9), "len_p99": pick(0.99), "len_max": s[-1],
             "len_mean": sum(s) / len(s)}
+
+
+def rollout_time_metrics(step_log: list[tuple[int, float]], num_requests: int,
+                         spec_by_batch: dict | None = None) -> dict:
+    """Where a rollout's time went, from the engine's step log [(running batch, seconds)]:
+    t_rollout_tail = seconds of the long tail, the steps that ran at most a quarter of the
+    rollout's sequences (`tail_batch`); t_rollout_b<bucket> = seconds per running-batch
+    bucket (spec/stats.py's buckets 1, 2-4, 5-8, 9-16, 17-32, 33+, written b1, b2_4, ...,
+    b33_up); and with speculative decoding accept_len_b<bucket>, the acceptance length
+    per bucket."""
+    tail = max(1, num_requests // 4)
+    m = {"tail_batch": tail, "rollout_steps": len(step_log),
+         "rollout_steps_tail": sum(1 for b, _ in step_log if b <= tail),
+         "t_rollout_tail": sum(t for b, t in step_log if b <= tail)}
+    for b, t in step_log:
+        key = f"t_rollout_b{_key(bucket_of(b))}"
+        m[key] = m.get(key, 0.0) + t
+    for name, row in (spec_by_batch or {}).items():
+        if row.get("acceptance_length") is not None:
+            m[f"accept_len_b{_key(name)}"] = row["acceptance_length"]
+    return m
+
+
+def _key(bucket: str) -> str:
+    """A bucket name as a metric-name suffix TensorBoard accepts: 2-4 -> 2_4, 33+ -> 33_up."""
+    return bucket.replace("-", "_").replace("+", "_up")
 
 
 def check_data(cfg) -> None:
@@ -305,7 +332,9 @@ class RLRun:
                 sd.metrics.reset()
             results = self.engine.generate(reqs)
             t_roll = time.perf_counter() - t0
-            spec = sd.metrics.summary()["total"] if sd is not None else {}
+            summary = sd.metrics.summary() if sd is not None else {}
+            spec = summary.get("total", {})
+            timing = rollout_time_metrics(self.engine.step_log, len(reqs), summary.get("by_batch_size"))
             for r in results:
                 if r.error:
                     raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")
@@ -326,7 +355,7 @@ class RLRun:
                 "response_tokens": [list(r.token_ids) for r in results],
                 "rollout_logprobs": [list(r.logprobs or []) for r in results],
                 "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
-                "policy_version": self.engine.policy_version, "spec": spec,
+                "policy_version": self.engine.policy_version, "spec": spec, "timing": timing,
             }]
         if dist.get_world_size(group) > 1:
             dist.broadcast_object_list(payload, src=src, group=group)
@@ -359,7 +388,7 @@ class RLRun:
         lengths = [len(t) for t in batch.response_tokens]
         m = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
              "groups_kept": int(keep.sum()), "groups": int(keep.numel()), **_percentiles(lengths),
-             "t_rollout": ro["t_rollout"], "t_reward": ro["t_reward"],
+             "t_rollout": ro["t_rollout"], **ro["timing"], "t_reward": ro["t_reward"],
              "rollout_tokens_per_s": sum(lengths) / max(ro["t_rollout"], 1e-9),
              "policy_version": ro["policy_version"]}
         for k in ("acceptance_rate", "acceptance_length", "drafted", "accepted", "fallbacks"):

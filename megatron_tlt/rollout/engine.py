@@ -144,6 +144,9 @@ class RolloutEngine:
         """Tokens appended by this engine so far (all requests, all calls)."""
         self.num_steps = 0
         """Engine steps run so far (all calls)."""
+        self.step_log: list[tuple[int, float]] = []
+        """(sequences the step ran, wall seconds) of every step of the last generate call:
+        the time per running-batch size and the long tail's share of it (rl/loop.py)."""
 
     # ---- weights and memory -----------------------------------------------------------
 
@@ -258,9 +261,12 @@ class RolloutEngine:
         first_token = self.num_appended
         start = time.perf_counter()
         self._spec_strategy = spec_strategy
+        self.step_log = log = []
         try:
             while self.scheduler.has_work():
+                t0 = time.perf_counter()
                 scheduled, finished = self.step()
+                log.append((len(scheduled), time.perf_counter() - t0))
                 num_tokens = self.num_appended - first_token
                 for seq in finished:
                     results[seq.index] = self._result(seq)

@@ -21,6 +21,20 @@ def test_plots_written(tmp_path):
     assert "skipping a line" in p.stderr
 
 
+def test_bucket_panels(tmp_path):
+    """Per-bucket metrics (t_rollout_b*, accept_len_b*) are found by prefix, whichever
+    buckets a run logged."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import plot_metrics
+    finally:
+        sys.path.pop(0)
+    rows = [{"step": 1, "t_rollout": 2.0, "t_rollout_tail": 1.5, "t_rollout_b33_up": 0.5, "t_rollout_b1": 1.5},
+            {"step": 2, "t_rollout": 2.0, "t_rollout_tail": 1.0, "t_rollout_b17_32": 1.0, "accept_len_b1": 2.5}]
+    names = sorted(Path(p).name for p in plot_metrics.plot(rows, str(tmp_path)))
+    assert names == ["acceptance.png", "phase_times.png", "rollout_time.png"]
+
+
 def test_missing_file(tmp_path):
     p = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("error: metrics file not found")
