@@ -14,37 +14,23 @@ or left the engine sampling stale weights fails one of the two. Measured (CPU fp
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 STEPS = 6
 
 
 def _rewards(tmp_path, monkeypatch, *, flip: bool) -> list[float]:
-    from megatron_tlt.config import load_config
-    from megatron_tlt.models import mcore
-    from megatron_tlt.models.actor import Actor
-    from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rl import advantages
     from megatron_tlt.rl.loop import RLRun
-    from megatron_tlt.testing.tiny_models import tiny_hf_config
+    from megatron_tlt.testing.rl_runs import tiny_rl_config
 
-    mcore.init_parallel(1, 1, seed=0)
-    arch = ModelArch.from_hf_config(tiny_hf_config("llama", vocab_size=100, num_layers=1,
-                                                   max_position_embeddings=128).to_dict())
-    Actor(arch, init_seed=0).save(str(tmp_path / "mcore"))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"count {i}:", "answer": ""}) + "\n" for i in range(16)))
+    cfg = tiny_rl_config(tmp_path, num_prompts=16, overrides=[
+        "model.seq_length=32", "rollout.max_new_tokens=12", "rollout.n_samples=8", "train.global_batch_size=64",
+        "train.micro_batch_size=64", "rollout.spec=off", "optim.lr=1e-2", "optim.lr_schedule=constant",
+        f"train.steps={STEPS}", "rl.num_kv_blocks=256"])
     if flip:
         upright = advantages.group_advantages
         monkeypatch.setattr(advantages, "group_advantages", lambda r, **kw: -upright(r, **kw))
-    cfg = load_config("examples/tiny_cpu.yaml", [
-        f"model.mcore_ckpt={tmp_path / 'mcore'}", f"data.path={prompts}", "data.tokenizer=tiny",
-        "rl.reward=megatron_tlt.testing.rewards:digit_fraction", "model.seq_length=32", "rollout.max_new_tokens=12",
-        "rollout.n_samples=8", "train.global_batch_size=64", "train.micro_batch_size=64", "rollout.spec=off",
-        "optim.lr=1e-2", "optim.lr_schedule=constant", f"train.steps={STEPS}", "train.save_interval=0",
-        "rl.num_kv_blocks=256", f"train.out_dir={tmp_path / 'run'}"])
     run = RLRun(cfg)
     try:
         return [run.run_step()["reward_mean"] for _ in range(STEPS)]

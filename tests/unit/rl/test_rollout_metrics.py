@@ -28,25 +28,13 @@ def test_rollout_time_metrics_buckets_and_tail():
 
 @pytest.mark.parametrize("spec", ["off", "ngram"])
 def test_rl_step_reports_the_breakdown(tmp_path, spec):
-    from megatron_tlt.config import load_config
-    from megatron_tlt.models import mcore
-    from megatron_tlt.models.actor import Actor
-    from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rl.loop import RLRun
-    from megatron_tlt.testing.tiny_models import tiny_hf_config
+    from megatron_tlt.testing.rl_runs import tiny_rl_config
 
-    mcore.init_parallel(1, 1, seed=0)
-    arch = ModelArch.from_hf_config(tiny_hf_config("llama", vocab_size=100, num_layers=1,
-                                                   max_position_embeddings=128).to_dict())
-    Actor(arch, init_seed=0).save(str(tmp_path / "mcore"))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"count {i}:", "answer": ""}) + "\n" for i in range(8)))
-    cfg = load_config("examples/tiny_cpu.yaml", [
-        f"model.mcore_ckpt={tmp_path / 'mcore'}", f"data.path={prompts}", "data.tokenizer=tiny",
-        "rl.reward=megatron_tlt.testing.rewards:digit_fraction", "model.seq_length=48", "rollout.max_new_tokens=24",
-        "rollout.n_samples=4", "train.global_batch_size=32", "train.micro_batch_size=32", f"rollout.spec={spec}",
-        "rollout.spec_threshold=null", "train.steps=1", "train.save_interval=0", "rl.num_kv_blocks=256",
-        f"train.out_dir={tmp_path / 'run'}"])
+    cfg = tiny_rl_config(tmp_path, num_prompts=8, overrides=[
+        "model.seq_length=48", "rollout.max_new_tokens=24", "rollout.n_samples=4", "train.global_batch_size=32",
+        "train.micro_batch_size=32", f"rollout.spec={spec}", "rollout.spec_threshold=null", "train.steps=1",
+        "rl.num_kv_blocks=256"])
     run = RLRun(cfg)
     run.train()  # one step, logged to metrics.jsonl
     steps = run.engine.step_log
