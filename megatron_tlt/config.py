@@ -496,7 +496,8 @@ class RLConfig(ConfigSection):
     """GRPO / PPO-family settings of `megatron-tlt train`."""
 
     reward: str | None = None
-    """Reward for a data.path dataset: a registered name or 'module:function'; null: per task."""
+    """A registered reward name or 'module:function'. Needed with data.path; with the
+    built-in data.tasks it replaces each task's own reward (null: per task)."""
     std_normalize: bool = True
     """Divide group advantages by the group's std (GRPO); false: Dr.GRPO."""
     dapo_filter: bool = False

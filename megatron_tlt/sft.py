@@ -261,11 +261,10 @@ def _export_hf(model_dir: str, out_dir: str, tokenizer) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        # Not a member of this job's world: drop everything torchrun told us (the elastic
-        # agent's store variables included, or init_process_group would join its store).
-        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE")
-        env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
+        from megatron_tlt.models.mcore import single_process_env
+
+        # Not a member of this job's world: a world of one (single_process_env).
+        env = single_process_env()
         subprocess.run([sys.executable, "-m", "megatron_tlt", "convert", "mcore-to-hf", "--mcore", model_dir,
                         "--out", out_dir], check=True, env=env)
     else:

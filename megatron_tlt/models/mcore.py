@@ -69,6 +69,18 @@ def init_distributed(backend: Optional[str] = None) -> None:
         dist.init_process_group(backend=backend, timeout=timeout)
 
 
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+def single_process_env() -> dict[str, str]:
+    """os.environ without what torchrun told this process (its rank, world, rendezvous and
+    the elastic agent's store variables): the environment of a child that must be a world
+    of one (conversion, export) rather than join, or wait for, this job's world."""
+    return {k: v for k, v in os.environ.items()
+            if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: Optional[str] = None) -> None:
     """Initialise torch.distributed and Megatron's process groups (TP x PP x DP).
 

@@ -212,6 +212,7 @@ class RLRun:
 
     def _prompts(self) -> list[_Prompt]:
         from megatron_tlt.data.datasets import load_prompt_dataset
+        from megatron_tlt.data.rewards import get_reward
         from megatron_tlt.data.tasks import make_dataset
 
         d = self.cfg.data
@@ -220,7 +221,11 @@ class RLRun:
                                           task=self.cfg.rl.reward)
             return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task or self.cfg.rl.reward) for s in samples]
         samples = make_dataset(list(d.tasks), d.num_train, seed=self.cfg.train.seed, split="train")
-        return [_Prompt(s.prompt_id, s.prompt, s.answer, s.task) for s in samples]
+        # rl.reward, when set, replaces the tasks' own rewards (it was silently ignored);
+        # checked now, so a typo fails before any rollout.
+        if self.cfg.rl.reward is not None:
+            get_reward(self.cfg.rl.reward)
+        return [_Prompt(s.prompt_id, s.prompt, s.answer, self.cfg.rl.reward or s.task) for s in samples]
 
     def _fit(self, prompts: list[_Prompt]) -> list[_Prompt]:
         """Drop prompts whose tokens + rollout.max_new_tokens exceed model.seq_length."""
@@ -306,60 +311,93 @@ class RLRun:
         return [self.prompts[i] for i in mine]
 
     def _rollout(self, prompts: list[_Prompt]):
-        """Generate on the first rank of the model-parallel group; broadcast to the rest."""
+        """Generate and score on the first rank of the model-parallel group; broadcast to
+        the rest. A failure there (a reward function that raises, an engine error) fails
+        the step on every rank of the job, not only on that one: the others would wait in
+        the next collective forever. The failing rank re-raises its exception; the others
+        raise TLTError naming it."""
         from megatron.core import parallel_state as ps
-
-        from megatron_tlt.data.rewards import compute_rewards
-        from megatron_tlt.rollout import Request, SamplingParams
 
         group = ps.get_model_parallel_group()
         src = dist.get_process_group_ranks(group)[0]
-        payload = [None]
+        payload: list = [None]
+        failure = None
         if self.rank == src:
-            ro = self.cfg.rollout
-            reqs = []
-            for p in prompts:
-                ptoks = self.tokenizer.encode_prompt(p.prompt)
-                for j in range(ro.n_samples):
-                    sp = SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
-                                        max_new_tokens=ro.max_new_tokens,
-                                        seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id, j))
-                    reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
-                                        sampling_params=sp))
-            t0 = time.perf_counter()
-            sd = self.engine.spec_decoder
-            if sd is not None:
-                sd.metrics.reset()
-            results = self.engine.generate(reqs)
-            t_roll = time.perf_counter() - t0
-            summary = sd.metrics.summary() if sd is not None else {}
-            spec = summary.get("total", {})
-            timing = rollout_time_metrics(self.engine.step_log, len(reqs), summary.get("by_batch_size"))
-            for r in results:
-                if r.error:
-                    raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")
-            texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
-            by_id = {p.prompt_id: p for p in prompts}
-            t1 = time.perf_counter()
-            rewards = []
-            for task in sorted({by_id[r.prompt_id].task for r in results}):
-                idx = [i for i, r in enumerate(results) if by_id[r.prompt_id].task == task]
-                vals = compute_rewards(task, [texts[i] for i in idx], [by_id[results[i].prompt_id].answer for i in idx],
-                                       [results[i].prompt_id for i in idx])
-                rewards.extend(zip(idx, vals))
-            rewards = [v for _, v in sorted(rewards)]
-            t_rew = time.perf_counter() - t1
-            payload = [{
-                "prompt_ids": [r.prompt_id for r in results], "sample_indices": [r.sample_index for r in results],
-                "prompt_tokens": [req.prompt_token_ids for req in reqs],
-                "response_tokens": [list(r.token_ids) for r in results],
-                "rollout_logprobs": [list(r.logprobs or []) for r in results],
-                "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
-                "policy_version": self.engine.policy_version, "spec": spec, "timing": timing,
-            }]
+            try:
+                payload = [self._generate_and_score(prompts)]
+            except Exception as e:  # every rank learns of it below, then it is re-raised
+                failure = e
+                payload = [{"error": str(e) if isinstance(e, TLTError) else f"{type(e).__name__}: {e}",
+                            "rank": self.rank}]
         if dist.get_world_size(group) > 1:
             dist.broadcast_object_list(payload, src=src, group=group)
+        error = self._first_error(payload[0] if "error" in payload[0] else None)
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise TLTError(f"step {self.step + 1} failed on rank {error['rank']}: {error['error']}")
         return payload[0]
+
+    def _first_error(self, error: dict | None) -> dict | None:
+        """The lowest failing rank's {"error", "rank"} across the whole job (one all-reduce
+        of a flag per step; the messages are gathered only when some rank failed)."""
+        if dist.get_world_size() == 1:
+            return error
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.actor.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return None
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return next(e for e in errors if e is not None)
+
+    def _generate_and_score(self, prompts: list[_Prompt]) -> dict:
+        """Rollouts of this rank's prompts and their rewards (the model-parallel group's
+        first rank only): the payload `_rollout` broadcasts."""
+        from megatron_tlt.data.rewards import compute_rewards
+        from megatron_tlt.rollout import Request, SamplingParams
+
+        ro = self.cfg.rollout
+        reqs = []
+        for p in prompts:
+            ptoks = self.tokenizer.encode_prompt(p.prompt)
+            for j in range(ro.n_samples):
+                sp = SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
+                                    max_new_tokens=ro.max_new_tokens,
+                                    seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id, j))
+                reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
+                                    sampling_params=sp))
+        t0 = time.perf_counter()
+        sd = self.engine.spec_decoder
+        if sd is not None:
+            sd.metrics.reset()
+        results = self.engine.generate(reqs)
+        t_roll = time.perf_counter() - t0
+        summary = sd.metrics.summary() if sd is not None else {}
+        spec = summary.get("total", {})
+        timing = rollout_time_metrics(self.engine.step_log, len(reqs), summary.get("by_batch_size"))
+        for r in results:
+            if r.error:
+                raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")
+        texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+        by_id = {p.prompt_id: p for p in prompts}
+        t1 = time.perf_counter()
+        rewards = []
+        for task in sorted({by_id[r.prompt_id].task for r in results}):
+            idx = [i for i, r in enumerate(results) if by_id[r.prompt_id].task == task]
+            vals = compute_rewards(task, [texts[i] for i in idx], [by_id[results[i].prompt_id].answer for i in idx],
+                                   [results[i].prompt_id for i in idx])
+            rewards.extend(zip(idx, vals))
+        rewards = [v for _, v in sorted(rewards)]
+        t_rew = time.perf_counter() - t1
+        return {
+            "prompt_ids": [r.prompt_id for r in results], "sample_indices": [r.sample_index for r in results],
+            "prompt_tokens": [req.prompt_token_ids for req in reqs],
+            "response_tokens": [list(r.token_ids) for r in results],
+            "rollout_logprobs": [list(r.logprobs or []) for r in results],
+            "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
+            "policy_version": self.engine.policy_version, "spec": spec, "timing": timing,
+        }
 
     def run_step(self) -> dict:
         from megatron.core import parallel_state as ps
@@ -493,8 +531,12 @@ def _convert_in_place(hf_dir: str, dst: str) -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                             "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")}
+    from megatron_tlt.models.mcore import single_process_env
+
+    # Every launcher variable goes, the elastic agent's TORCHELASTIC_* too: with those
+    # the child waited on the agent's store forever (a torchrun `train` at TP=2 on CPU
+    # never got past this conversion).
+    env = single_process_env()
     p = subprocess.run([sys.executable, "-m", "megatron_tlt", "convert", "hf-to-mcore", "--hf", hf_dir,
                         "--out", dst], env=env, capture_output=True, text=True)
     if p.returncode != 0:

@@ -4,6 +4,7 @@ they still give groups a spread of rewards, so the policy gradient is not zero."
 import os
 
 RAISE_ON_ANSWER_ENV = "TLT_TEST_REWARD_RAISE_ON_ANSWER"
+RAISE_ON_RANK_ENV = "TLT_TEST_REWARD_RAISE_ON_RANK"
 
 
 def contains_seven(response: str, answer: str) -> float:
@@ -28,6 +29,15 @@ def digit_fraction_or_raise(response: str, answer: str) -> float:
     the environment variable TLT_TEST_REWARD_RAISE_ON_ANSWER (a verifier that crashes)."""
     if answer == os.environ.get(RAISE_ON_ANSWER_ENV):
         raise ValueError(f"test reward refuses answer {answer!r}")
+    return digit_fraction(response, answer)
+
+
+def digit_fraction_or_raise_on_rank(response: str, answer: str) -> float:
+    """`digit_fraction`, but raises ValueError in the process whose torchrun RANK is the
+    value of TLT_TEST_REWARD_RAISE_ON_RANK (a verifier that crashes on one rank only)."""
+    rank = os.environ.get("RANK")
+    if rank is not None and rank == os.environ.get(RAISE_ON_RANK_ENV):
+        raise ValueError(f"test reward refuses to score on rank {rank}")
     return digit_fraction(response, answer)
 
 

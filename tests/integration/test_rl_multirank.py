@@ -1,0 +1,54 @@
+"""`megatron-tlt train` under torchrun (gloo, CPU, 2 ranks): the job starts from an HF
+checkpoint and runs at TP=2, and a failure on one rank fails every rank promptly.
+
+- TP=2 from the tiny default's HF checkpoint: rank 0 converts it in a child process,
+  which must not join (or wait for) torchrun's world; before the fix the child waited
+  on the elastic agent's store forever and the job never logged a step.
+- A reward function that raises on one rank only (DP=2: rank 1 scores its own prompts;
+  TP=2: rank 0 scores for the group and rank 1 waits for its broadcast): every rank exits
+  with the error (the failing one with its own message, the others naming the failing
+  rank and its message), nothing of the step is written. Negative control, run by hand
+  (no cross-rank agreement in RLRun._first_error): the other rank printed nothing and was
+  only torn down by torchrun's agent (a launcher that does not tear down leaves it
+  waiting in the next collective); this test then fails on the missing "failed on rank".
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_tlt.testing.rewards import RAISE_ON_RANK_ENV
+
+CLI = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_tlt", "__main__.py")
+BASE = ["train", "--config", "examples/tiny_cpu.yaml", "train.save_interval=0", "rollout.max_new_tokens=24",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "rollout.n_samples=4"]
+
+
+def _metrics(out):
+    path = out / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_train_tp2_from_hf_checkpoint(run_torchrun, tmp_path):
+    out = tmp_path / "run"
+    run_torchrun(CLI, 2, BASE + ["parallel.tp=2", "train.steps=2", f"train.out_dir={out}"], timeout=400)
+    assert len(_metrics(out)) == 2
+    assert (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("tp,failing_rank", [(1, 1), (2, 0)])
+def test_reward_error_on_one_rank_fails_every_rank(run_torchrun, tmp_path, tp, failing_rank):
+    out = tmp_path / "run"
+    res = run_torchrun(CLI, 2, BASE + [f"parallel.tp={tp}", f"parallel.dp={2 // tp}", "train.steps=2", f"train.out_dir={out}",
+                                       "rl.reward=megatron_tlt.testing.rewards:digit_fraction_or_raise_on_rank"],
+                       timeout=400, env={RAISE_ON_RANK_ENV: str(failing_rank)}, check=False)
+    assert res.returncode != 0
+    # Both ranks print to the same stderr: their lines may interleave, so match substrings.
+    err = res.stderr
+    refuses = f"ValueError('test reward refuses to score on rank {failing_rank}')"
+    own = "error: reward function megatron_tlt.testing.rewards.digit_fraction_or_raise_on_rank failed on prompt "
+    theirs = f"error: step 1 failed on rank {failing_rank}: reward function "
+    assert err.count(own) == 1 and err.count(theirs) == 1 and err.count(refuses) == 2, err[-3000:]
+    assert _metrics(out) == [] and not (out / "checkpoints" / "latest").exists()
