@@ -134,6 +134,7 @@ class DecodeRunner:
         self._rows: list[list[int] | None] = [None] * self.max_batch  # block table per row
         self._copy_done = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._ghidden: dict[int, dict[str, torch.Tensor]] = {}  # each decode graph's hidden outputs
         self._pool = None
         self._logits: torch.Tensor | None = None
         self._kv_ptr: int | None = None
@@ -206,24 +207,33 @@ class DecodeRunner:
 
     # ---- forward ----------------------------------------------------------------------
 
-    def _forward(self, bucket: int, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, bucket: int, logits_out: torch.Tensor | None = None,
+                 hidden_out: dict | None = None) -> torch.Tensor:
         x = self.static_inputs(bucket)
         return self.model.forward(x["input_ids"], x["positions"], x["slot_mapping"],
                                   x["block_tables"], x["context_lens"], self.cache,
-                                  num_splits=self.num_splits[bucket], logits_out=logits_out)
+                                  num_splits=self.num_splits[bucket], logits_out=logits_out,
+                                  hidden_out=hidden_out)
 
-    def run(self, bucket: int) -> torch.Tensor:
-        """Logits [bucket, vocab] float32 of the prepared inputs (graph replay or eager)."""
+    def run(self, bucket: int, *, hidden: dict | None = None) -> torch.Tensor:
+        """Logits [bucket, vocab] float32 of the prepared inputs (graph replay or eager).
+        `hidden`, when given, receives the step's hidden states ("final", "pre_norm":
+        [bucket, hidden]; with graphs, views of static buffers valid until the next step)."""
         if not self.use_graphs:
-            return self._forward(bucket)
+            return self._forward(bucket, hidden_out=hidden)
         if not self._graphs or self._kv_ptr != self.cache.k[0].data_ptr():
             self.capture()
         self._graphs[bucket].replay()
+        if hidden is not None:
+            hidden.update(self._ghidden[bucket])
         return self._logits[:bucket]
 
-    def decode(self, seqs) -> ForwardOutput | None:
+    def decode(self, seqs, *, return_hidden: bool = False) -> ForwardOutput | None:
         """The engine's decode step for `seqs`, or None when this is not a plain decode step
-        (some sequence has != 1 pending token or wants hidden states)."""
+        (some sequence has != 1 pending token or wants hidden states of its own, which the
+        generic path collects). return_hidden: also the hidden states of the step's tokens
+        (copies, [n, hidden]): a speculative decoder's drafter observes every position,
+        so its plain steps take this path too, not the generic forward."""
         n = len(seqs)
         if n == 0 or n > self.max_batch:
             return None
@@ -235,14 +245,18 @@ class DecodeRunner:
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
                                    f"{len(seq.token_ids)} tokens")
         bucket = self.prepare(seqs)
-        padded = self.run(bucket)
+        hidden = {} if return_hidden else None
+        padded = self.run(bucket, hidden=hidden)
         logits = padded[:n]
         self._served = (logits, padded)
         for seq in seqs:
             seq.num_computed = len(seq.token_ids)
             seq.pending_verify = 0
         self.num_steps += 1
-        return ForwardOutput(logits=logits)
+        if hidden is None:
+            return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, hidden_final=hidden["final"][:n].clone(),
+                             hidden_pre_norm=hidden["pre_norm"][:n].clone())
 
     def verify(self, input_ids: torch.Tensor,  # [B * Q] int64
                positions: torch.Tensor,  # [B * Q] int64
@@ -405,10 +419,13 @@ class DecodeRunner:
             with torch.cuda.stream(side):  # compiles the Triton kernels, initialises cuBLAS
                 self._forward(bucket, self._logits[:bucket])
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
+            graph, hidden = torch.cuda.CUDAGraph(), {}
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(bucket, self._logits[:bucket])
+                self._forward(bucket, self._logits[:bucket], hidden_out=hidden)
             self._graphs[bucket] = graph
+            # The hidden-state outputs (allocated in the capture) are held, so later
+            # captures into the pool cannot reuse their memory.
+            self._ghidden[bucket] = hidden
         self._meta.copy_(saved)
         self._kv_ptr = self.cache.k[0].data_ptr()
         self.num_captures += 1
@@ -418,6 +435,7 @@ class DecodeRunner:
         """Drop the graphs (decode, sampling and verify), their memory pool and the logits
         buffers (engine.sleep())."""
         self._graphs.clear()
+        self._ghidden.clear()
         self._sgraphs.clear()
         self._served = None
         self._vgraphs.clear()

@@ -322,8 +322,8 @@ class RolloutEngine:
         KV. Returns logits [B, vocab] of each sequence's last token; with return_hidden
         (or when a request asks for hidden states) also the hidden states of every pending
         token, sequences concatenated in order."""
-        if self.decode_runner is not None and not return_hidden:
-            out = self.decode_runner.decode(seqs)  # None unless a plain decode step
+        if self.decode_runner is not None:
+            out = self.decode_runner.decode(seqs, return_hidden=return_hidden)  # None unless a plain decode step
             if out is not None:
                 return out
         ids, positions, slots, starts, ctx = [], [], [], [0], []

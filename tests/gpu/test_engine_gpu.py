@@ -504,6 +504,30 @@ def test_verify_graphs_match_eager_verify_fp32():
     assert rel_err(gk, ek) > 1e-3
 
 
+def test_decode_graph_hidden_states_match_eager():
+    """forward_pending(return_hidden=True) on a graph engine is served by the decode graph
+    (a speculative decoder's plain steps): hidden states and logits equal the same fused
+    kernels run eagerly, and the returned hidden states are copies that the next replay
+    does not overwrite."""
+    dtype = torch.float32
+    arch, w = small_model(dtype, family="qwen3", tie=False)
+    runs = []
+    for graphs in (True, False):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
+        seqs = _prefill_and_decode(eng, arch)
+        steps = eng.decode_runner.num_steps
+        o = eng.forward_pending(seqs, return_hidden=True)
+        assert eng.decode_runner.num_steps == steps + 1  # the runner served it
+        first = (o.logits.clone(), o.hidden_final, o.hidden_pre_norm)
+        kept = o.hidden_final.clone()
+        eng.sample_and_append(seqs, o.logits)
+        eng.forward_pending(seqs, return_hidden=True)  # the next replay
+        assert torch.equal(first[1], kept)
+        runs.append(first)
+    for x, y in zip(*runs):
+        assert x.shape == y.shape and rel_err(x, y) < 1e-5
+
+
 def test_update_weights_keeps_graphs_valid():
     """In-place update: data_ptr()s unchanged, the captured graphs decode with the NEW
     weights (== a fresh eager engine on them) and differ from the old output."""

@@ -372,3 +372,49 @@ def test_runner_configuration_errors():
         RolloutEngine(arch, w, attention_backend="triton", cuda_graphs=True)
     with pytest.raises(ConfigError, match="attention_backend='triton'"):
         RolloutEngine(arch, w, cuda_graphs=True)
+
+
+def test_spec_plain_steps_take_the_runner_with_hidden_states(monkeypatch):
+    """A speculative decoder's plain steps (here: batch above the SD threshold) need the
+    hidden states of every token for the drafter; they are served by the decode runner
+    (DecodeRunner.decode(return_hidden=True)) rather than the generic forward. Against a
+    run where the runner refuses them (the old behaviour): the same greedy tokens, the
+    drafter observes the same positions with the same features (to float32 rounding of
+    the fused kernels), and the runner served more steps."""
+    from megatron_tlt.rollout.cuda_graphs import DecodeRunner
+    from megatron_tlt.spec.decode import SpecDecoder
+    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
+    from megatron_tlt.spec.tree import Strategy
+
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=5)
+    reqs = _requests(300, [(5, 12, 0), (3, 9, 0), (9, 14, 0)])
+
+    def run():
+        eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=64, block_size=4, attention_backend="triton")
+        d = EagleDrafter(DrafterConfig(arch=arch), w.embed, w.lm_head)
+        d.reset_parameters(0, std=0.1)
+        prop = EagleProposer(d)
+        seen = {}
+        observe = prop.observe
+
+        def record(seq, start, hidden):
+            for i in range(hidden.shape[0]):
+                seen[(seq.request.prompt_id, start + i)] = hidden[i].clone()
+            observe(seq, start, hidden)
+        prop.observe = record
+        eng.spec_decoder = SpecDecoder(prop, Strategy(depth=2), threshold=2)
+        out = eng.generate(reqs)
+        assert eng.spec_decoder.metrics.summary()["total"]["num_drafts"] > 0  # SD ran too
+        return [r.token_ids for r in out], seen, eng.decode_runner.num_steps
+
+    tokens, seen, served = run()
+    decode = DecodeRunner.decode
+    monkeypatch.setattr(DecodeRunner, "decode",
+                        lambda self, seqs, return_hidden=False: None if return_hidden else decode(self, seqs))
+    old_tokens, old_seen, old_served = run()
+    assert tokens == old_tokens
+    assert served > old_served == 0  # every plain step of this run needs hidden states
+    assert seen.keys() == old_seen.keys()
+    for k in seen:
+        torch.testing.assert_close(seen[k], old_seen[k], atol=1e-5, rtol=1e-5)
