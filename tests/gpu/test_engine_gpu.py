@@ -455,6 +455,16 @@ def _prefill_and_decode(eng, arch):
     return seqs
 
 
+def _graph_then_eager_fp32():
+    """(engine, three sequences after _prefill_and_decode, arch): a CUDA-graph engine, then
+    an eager one, both Triton, float32, same weights."""
+    dtype = torch.float32
+    arch, w = small_model(dtype, family="qwen3", tie=False)
+    for graphs in (True, False):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
+        yield eng, _prefill_and_decode(eng, arch), arch
+
+
 def test_engine_verify_forward_matches_torch_backend_fp32():
     dtype = torch.float32
     arch, w = small_model(dtype, family="qwen3", tie=False)
@@ -476,12 +486,8 @@ def test_verify_graphs_match_eager_verify_fp32():
     the same fused kernels run eagerly: logits, hidden states and the whole KV pool (a
     padding row that wrote K/V, or a stale slot left from the larger replay, would change
     another sequence's cache)."""
-    dtype = torch.float32
-    arch, w = small_model(dtype, family="qwen3", tie=False)
     runs = []
-    for graphs in (True, False):
-        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
-        seqs = _prefill_and_decode(eng, arch)
+    for eng, seqs, arch in _graph_then_eager_fp32():
         g = torch.Generator().manual_seed(0)
         got = []
         for batch, q in ((3, 5), (2, 3)):
@@ -509,12 +515,8 @@ def test_decode_graph_hidden_states_match_eager():
     (a speculative decoder's plain steps): hidden states and logits equal the same fused
     kernels run eagerly, and the returned hidden states are copies that the next replay
     does not overwrite."""
-    dtype = torch.float32
-    arch, w = small_model(dtype, family="qwen3", tie=False)
     runs = []
-    for graphs in (True, False):
-        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
-        seqs = _prefill_and_decode(eng, arch)
+    for eng, seqs, arch in _graph_then_eager_fp32():
         steps = eng.decode_runner.num_steps
         o = eng.forward_pending(seqs, return_hidden=True)
         assert eng.decode_runner.num_steps == steps + 1  # the runner served it
