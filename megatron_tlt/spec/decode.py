@@ -76,6 +76,9 @@ class Drafter:
     feature: str | None = None
     """Target hidden states the drafter consumes: "final" or None."""
 
+    def bind(self, engine) -> None:
+        """Called with the engine before each proposal (settings that follow the engine)."""
+
     def observe(self, seq, start: int, hidden: torch.Tensor) -> None:
         """hidden [n, hidden]: the target's `feature` states at positions start..start+n-1,
         all committed."""
@@ -284,6 +287,7 @@ class SpecDecoder:
         spec, fallbacks = [], 0
         if cand:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
+                self.drafter.bind(engine)
                 trees = self.drafter.propose(cand, strategy, caps, seqs)
             for s, t, cap in zip(cand, trees, caps):
                 if t.fallback_reason is not None:

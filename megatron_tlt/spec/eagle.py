@@ -380,7 +380,7 @@ class EagleProposer(Drafter):
                               "the rollout engine does not expose yet (only 'final')")
         t = drafter.target_embed
         self.drafter = drafter.to(device=t.device, dtype=t.dtype).eval()  # where the target runs
-        self.drafter.batch_invariant = True
+        self.drafter.batch_invariant = True  # until bind(): the engine's setting
         a = drafter.arch
         self.kv = SlotKV(a.num_kv_heads, a.head_dim, t.dtype, t.device, min_capacity=min_kv_capacity)
         self.states: dict[int, _SeqState] = {}
@@ -396,6 +396,17 @@ class EagleProposer(Drafter):
         self._chain_graphs: ChainGraphs | None = None
 
     # ---- Drafter interface ------------------------------------------------------------
+
+    def bind(self, engine) -> None:
+        """Batch invariance follows the engine's: fixed 16-row matmul tiles where tokens must
+        not depend on the batch (the CPU default, the tests), plain products otherwise (a
+        CUDA engine's fused kernels are not batch-invariant either, and tiling multiplied
+        the drafter's weight reads by rows / 16: 32 reads per linear to extend 32 sequences)."""
+        inv = bool(engine.model.batch_invariant)
+        if inv != self.drafter.batch_invariant:
+            self.drafter.batch_invariant = inv
+            if self._chain_graphs is not None:
+                self._chain_graphs.release()  # captured with the other products
 
     def _state(self, seq) -> _SeqState:
         st = self.states.get(seq.seq_id)

@@ -361,3 +361,40 @@ def test_drafter_kv_slots_grow_release_and_reset(engines):
     assert not prop.states
     prop.observe(late, 0, torch.randn(2, e.arch.hidden_size))
     assert prop.states[9].slot == 0 and float(prop.kv.v[0].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_proposer_follows_the_engines_batch_invariance(spec_models, invariant):
+    """SpecDecoder binds the drafter to the engine: 16-row matmul tiles (batch-invariant)
+    only where the engine is (the CPU default); a non-invariant engine (a CUDA engine's
+    default) gets plain products, one weight read per linear. Greedy SD stays lossless
+    either way, and each 16-row tile costs one product (counted)."""
+    from spec_testutil import requests, tokens
+
+    from megatron_tlt.rollout import model as rollout_model
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    reqs = requests(300, [5, 11, 3, 8, 6], max_new_tokens=12)
+    plain = make_engine(spec_models["llama"], batch_invariant=invariant)
+    base = plain.generate(reqs)
+    eng = make_engine(spec_models["llama"], batch_invariant=invariant)
+    prop = EagleProposer(random_eagle(eng))
+    assert prop.drafter.batch_invariant  # until bound
+    eng.spec_decoder = SpecDecoder(prop, Strategy(depth=3))
+    res = eng.generate(reqs)
+    assert prop.drafter.batch_invariant is invariant
+    assert tokens(res) == tokens(base)
+    assert eng.spec_decoder.metrics.summary()["total"]["num_drafts"] > 0
+    calls = []
+    linear = rollout_model.F.linear
+
+    def counted(x, w, b=None):
+        calls.append(x.shape[0])
+        return linear(x, w, b)
+    rollout_model.F.linear = counted
+    try:
+        d = prop.drafter
+        d.logits(torch.zeros(20, d.arch.hidden_size))  # 20 rows through the drafter's head
+    finally:
+        rollout_model.F.linear = linear
+    assert calls == ([16, 16] if invariant else [20])
