@@ -314,8 +314,8 @@ class RLRun:
         """Generate and score on the first rank of the model-parallel group; broadcast to
         the rest. A failure there (a reward function that raises, an engine error) fails
         the step on every rank of the job, not only on that one: the others would wait in
-        the next collective forever. The failing rank re-raises its exception; the others
-        raise TLTError naming it."""
+        the next collective (or, under torchrun, be torn down without a word). The failing
+        rank re-raises its exception; the others raise TLTError naming it."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
