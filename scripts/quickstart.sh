@@ -18,4 +18,4 @@ PY
 )"
 "$VENV/bin/python" tools/plot_metrics.py "$OUT_DIR/metrics.jsonl" --out "$OUT_DIR/plots" >/dev/null
 echo "[quickstart] metrics: $OUT_DIR/metrics.jsonl"
-echo "[quickstart] plots:   $OUT_DIR/plots/ (reward, lengths, phase times, acceptance, loss)"
+echo "[quickstart] plots:   $OUT_DIR/plots/ (reward, lengths, phase times, rollout time by batch size, acceptance, loss)"
