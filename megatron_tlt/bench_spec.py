@@ -92,7 +92,7 @@ def _counters(engine, decoder) -> dict[str, int]:
     r = engine.decode_runner
     if r is not None:
         out.update(decode_captures=r.num_captures, sample_graphs=r.num_sample_graphs,
-                   verify_graphs=len(r._vgraphs),
+                   verify_graphs=r.num_verify_graphs,
                    planner_plans=len(r.model.planner.plans) + len(r.model.planner.fused))
     if decoder is not None:
         m = decoder._math
