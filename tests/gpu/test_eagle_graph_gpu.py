@@ -94,3 +94,28 @@ def test_generate_with_draft_graphs_equals_eager_drafting(model_dir, temperature
         assert pg.chain_graphs().num_replays > 0 and pe.chain_graphs() is None
         assert tokens(rg) == tokens(re_), pre
         assert [r.logprobs for r in rg] == [r.logprobs for r in re_]
+
+
+def test_drafter_fast_products_and_norms_match_the_invariant_path(model_dir):
+    """On a CUDA engine (not batch-invariant) the drafter runs plain products and torch's
+    fused RMSNorm; its layer outputs stay within bf16 rounding of the batch-invariant
+    reference path (16-row tiles, composite norm), and a SpecDecoder binds that setting."""
+    e = _engine(model_dir, torch.bfloat16, attention_backend="triton", cuda_graphs=True)
+    d = random_eagle(e, seed=4)
+    prop = EagleProposer(d)
+    d = prop.drafter
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens_ = torch.randint(0, VOCAB["qwen2"], (20,), device="cuda", generator=g)
+    feats = torch.randn(20, d.arch.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.arange(1, 21, device="cuda")
+    out = {}
+    for inv in (True, False):
+        d.batch_invariant = inv
+        x, q, k, v = d.layer_qkv(tokens_, feats, pos)
+        out[inv] = d.layer_out(x, q)  # q stands in for the attention output (same shape)
+    err = (out[False].float() - out[True].float()).abs().max() / out[True].float().abs().max()
+    assert err < 3e-2, float(err)
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], max_new_tokens=12)
+    e.spec_decoder = SpecDecoder(prop, Strategy(depth=3))
+    e.generate(reqs)
+    assert d.batch_invariant is False  # bound to the engine
