@@ -16,8 +16,11 @@
 # so a run cut by a time limit keeps what it finished. DRAFTER_PROMPTS / DRAFTER_STEPS /
 # DRAFTER_TEMPERATURE change the drafter's recipe (128 prompts, 60 steps, greedy responses:
 # top-1 0.741 on the 120-step target in session 6). SKIP_BENCH_SPEC=1 skips stage 3;
-# STOP_AFTER=drafter stops after stage 2 (to split the work over calls of a time-limited
-# machine; re-running the script later skips the stages already done).
+# STOP_AFTER=target / STOP_AFTER=drafter stop after stage 1 / 2, and RL_SPECS (default
+# "off ngram eagle"; empty: none) picks the RL steps, to split the work over calls of a
+# time-limited machine (re-running the script later skips the stages already done). The
+# 120-step SFT takes ~510 s on one H200: give it a call of its own, with nothing else on the
+# GPU (next to the GPU tests it ran past a 583 s limit).
 set -euo pipefail
 OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
 SFT_STEPS=${2:-20}
@@ -33,6 +36,10 @@ if [ ! -f "$OUT/sft/hf/config.json" ]; then
       2>&1 | tail -n 15
   echo "[h200_rl_step] target done at $(( $(date +%s) - t0 )) s"
   rm -rf "$OUT/sft/checkpoints"  # ~21 GB of model + optimizer state; the HF export is kept
+fi
+if [ "${STOP_AFTER:-}" = target ]; then
+  echo "[h200_rl_step] STOP_AFTER=target: stopping at $(( $(date +%s) - t0 )) s"
+  exit 0
 fi
 if [ ! -f "$OUT/drafter/config.json" ]; then
   echo "[h200_rl_step] 2/3 drafter: offline EAGLE training on the target's responses"
@@ -54,7 +61,8 @@ if [ "${SKIP_BENCH_SPEC:-0}" != 1 ] && [ ! -f "$OUT/bench_spec.json" ]; then
   echo "[h200_rl_step] SD benchmark done at $(( $(date +%s) - t0 )) s"
   keep "$OUT/bench_spec.json"
 fi
-for spec in off ngram eagle; do
+RL_SPECS=${RL_SPECS-off ngram eagle}
+for spec in $RL_SPECS; do
   if [ ! -f "$OUT/rl_$spec/metrics.jsonl" ]; then
     echo "[h200_rl_step] 3/3 RL step, rollout.spec=$spec"
     extra=()
