@@ -61,7 +61,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "(untimed; the top functions by own time go to the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    from megatron_tlt.rollout.weights import ENGINE_DTYPES
+    p.add_argument("--dtype", default="auto", choices=("auto",) + ENGINE_DTYPES,
                    help="engine dtype (auto: the checkpoint's on a GPU, float32 on the CPU)")
     args = p.parse_args(extra)
     if args.max_new_tokens < 1 or args.repeats < 1 or args.temperature < 0:
@@ -114,7 +115,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     engine.spec_decoder = decoder
     if decoder is not None:
         decoder.metrics.reset()
-    before, steps0 = _counters(engine, decoder), engine.num_steps
+    before = _counters(engine, decoder)
     prof = cProfile.Profile() if profile else None
     clock.sync()
     t0 = time.perf_counter()
@@ -129,7 +130,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     if errors:
         raise TLTError(f"bench spec: a request failed: {errors[0]}")
     tokens = sum(len(r.token_ids) for r in results)
-    steps = engine.num_steps - steps0
+    steps = len(engine.step_log)
     after = _counters(engine, decoder)
     row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
            "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),

@@ -85,9 +85,10 @@ def main(argv=None) -> int:
     if rank == 0:
         last = next((g for g in reversed(gathered) if g["logits_max_abs_diff_after"] is not None), res)
         res.update({k: last[k] for k in ("logits_max_abs_diff_before", "logits_max_abs_diff_after")})
-        res["command"] = shlex.join(["python", "tools/bench_weight_sync.py", *(argv if argv is not None else sys.argv[1:])])
-        if dist.get_world_size() > 1:
-            res["command"] = f"torchrun --nproc_per_node {dist.get_world_size()} " + res["command"][len("python "):]
+        world = dist.get_world_size()
+        launcher = ["torchrun", "--nproc_per_node", str(world)] if world > 1 else ["python"]
+        res["command"] = shlex.join([*launcher, "tools/bench_weight_sync.py",
+                                     *(argv if argv is not None else sys.argv[1:])])
         res["git_revision"] = _git_revision()
         print(f"{args.shape} tp={args.tp} pp={args.pp} {dtype}: {res['bytes'] / 1e9:.2f} GB in "
               f"{res['seconds_median'] * 1e3:.1f} ms = {res['gb_per_s_median']:.1f} GB/s (median of {args.repeats}); "

@@ -251,10 +251,11 @@ class RLRun:
         return dst
 
     def _engine(self):
+        from megatron_tlt.models import mcore
         from megatron_tlt.rollout import EngineWeights, RolloutEngine
         from megatron_tlt.rollout.engine import fast_path_options
 
-        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.model.dtype]
+        dt = mcore.torch_dtype(self.cfg.model.dtype)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         weights = EngineWeights(self.arch, dtype=dt, device=device)
         r = self.cfg.rl

@@ -36,9 +36,9 @@ import torch
 
 from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.weights import ENGINE_DTYPES
 
 SPEC_CHOICES = ("off", "eagle", "ngram", "adaptive")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,7 +73,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: enough for --max-num-seqs of the longest requests)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", choices=("auto",) + _DTYPES, default="auto")
+    g.add_argument("--dtype", choices=("auto",) + ENGINE_DTYPES, default="auto")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     return parser
 

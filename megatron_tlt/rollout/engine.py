@@ -142,8 +142,6 @@ class RolloutEngine:
         self._spec_strategy = None  # per-generate-call override of the decoder's policy
         self.num_appended = 0
         """Tokens appended by this engine so far (all requests, all calls)."""
-        self.num_steps = 0
-        """Engine steps run so far (all calls)."""
         self.step_log: list[tuple[int, float]] = []
         """(sequences the step ran, wall seconds) of every step of the last generate call:
         the time per running-batch size and the long tail's share of it (rl/loop.py)."""
@@ -286,7 +284,6 @@ class RolloutEngine:
     def step(self) -> tuple[list[Sequence], list[Sequence]]:
         """One scheduling step: (sequences that ran, sequences that finished)."""
         plan = self.scheduler.schedule()
-        self.num_steps += 1
         if not plan.seqs:
             raise RuntimeError("scheduler could not run anything: the KV cache is held by "
                                "sequences outside the scheduler")

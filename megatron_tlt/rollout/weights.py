@@ -214,20 +214,23 @@ def _group_by_file(names: Iterable[str], files: dict[str, str]) -> dict[str, lis
     return by_file
 
 
-ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+"""Dtype names the engine runs (mapped by models.mcore.torch_dtype)."""
 
 
 def engine_dtype(arch: ModelArch, device: str | torch.device, name: str = "auto") -> torch.dtype:
     """The dtype to run a checkpoint in: `name`, or for "auto" float32 on the CPU (the
     exact reference path of the tests) and the checkpoint's own dtype (config.json
     torch_dtype; bfloat16 when it names none the engine runs) on an accelerator."""
+    from megatron_tlt.models.mcore import torch_dtype
+
     if name == "auto":
         if torch.device(device).type == "cpu":
             return torch.float32
-        return ENGINE_DTYPES.get(arch.torch_dtype, torch.bfloat16)
+        name = arch.torch_dtype if arch.torch_dtype in ENGINE_DTYPES else "bfloat16"
     if name not in ENGINE_DTYPES:
         raise TLTError(f"dtype must be auto or one of {sorted(ENGINE_DTYPES)}, got {name!r}")
-    return ENGINE_DTYPES[name]
+    return torch_dtype(name)
 
 
 @torch.no_grad()
