@@ -65,6 +65,23 @@ def _top(prof: cProfile.Profile, n: int) -> str:
     return s.getvalue()
 
 
+def _kernels(engine, decoder, prompts, temperature, new, tag, top) -> str:
+    """torch.profiler over one generate: device kernels by total time (graph replays'
+    kernels included where CUPTI reports them), with the run's engine step count so calls
+    per step can be read off."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.spec_decoder = decoder
+        if decoder is not None:
+            decoder.metrics.reset()
+        res = engine.generate(_requests(tag, prompts, temperature, new))
+        _sync()
+    steps = (sum(b.steps for b in decoder.metrics.buckets.values()) if decoder is not None
+             else max(len(r.token_ids) for r in res))
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70)
+    return f"engine steps in this run: {steps}\n{table}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
@@ -73,6 +90,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--json", default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--kernels", action="store_true",
+                   help="also run torch.profiler over one run per mode and batch size (CUDA): "
+                        "the top device kernels by total time, with calls per engine step")
     a = p.parse_args()
     from megatron_tlt.spec.decode import SpecDecoder
     from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
@@ -120,6 +140,8 @@ def main() -> None:
             _wall(engine, dec, ps, a.temperature, long_, f"p-{mode}-{b}")
             prof.disable()
             row[f"{mode}_cprofile"] = _top(prof, a.top)
+            if a.kernels and dev.type == "cuda":
+                row[f"{mode}_kernels"] = _kernels(engine, dec, ps, a.temperature, long_, f"k-{mode}-{b}", a.top)
         # graph replay alone at this bucket (the decode forward without host work)
         runner = engine.decode_runner
         if runner is None:  # CPU: no graph path
@@ -136,7 +158,9 @@ def main() -> None:
         row["graph_replay_ms"] = 1e3 * (time.perf_counter() - t0) / 50
         report["results"].append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("cprofile")}), flush=True)
-        for k in ("off_cprofile", "eagle_cprofile"):
+        for k in ("off_cprofile", "eagle_cprofile", "off_kernels", "eagle_kernels"):
+            if k not in row:
+                continue
             print(f"---- B={b} {k}\n{row[k]}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

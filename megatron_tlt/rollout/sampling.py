@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import math
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -129,10 +131,28 @@ def noise_bits(keys: torch.Tensor,  # [B] int64: per-request stream keys
     return _mix64(row[:, None] + idx[None, :])
 
 
+_HAS_TRITON: list[bool] = []
+
+
+def _fused_noise() -> bool:
+    if os.environ.get("MEGATRON_TLT_FUSED_NOISE", "1") == "0":
+        return False
+    if not _HAS_TRITON:
+        _HAS_TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _HAS_TRITON[0]
+
+
 def exponential_noise(keys: torch.Tensor, draws: torch.Tensor, n: int,
                       device: torch.device | str) -> torch.Tensor:  # [B, n] float32
     """Exp(1) noise: -log(U) with U = (53 random bits + 1/2) / 2^53 in (0, 1), in float64,
-    rounded to float32 and clamped away from 0 (so p / E is never 0/0)."""
+    rounded to float32 and clamped away from 0 (so p / E is never 0/0). On a CUDA device
+    one fused Triton kernel computes the same numbers (rollout/triton_noise.py; off with
+    MEGATRON_TLT_FUSED_NOISE=0)."""
+    device = torch.device(device)
+    if device.type == "cuda" and _fused_noise():
+        from megatron_tlt.rollout.triton_noise import exponential_noise_fused
+        return exponential_noise_fused(keys.to(device=device, dtype=torch.int64),
+                                       draws.to(device=device, dtype=torch.int64), n)
     u = (_srl(noise_bits(keys, draws, n, device), 11).double() + 0.5) * 2.0 ** -53
     return (-torch.log(u)).float().clamp_min_(torch.finfo(torch.float32).tiny)
 

@@ -298,6 +298,32 @@ def test_noise_streams_same_bits_on_cuda_and_cpu():
                                exponential_noise(keys, draws, 151936, "cpu"), atol=0, rtol=2.4e-7)
 
 
+def test_fused_noise_kernel_equals_the_torch_reference_on_the_device(monkeypatch):
+    """rollout/triton_noise.py: the one-kernel Exp(1) noise == the reference's torch ops on
+    the same device, bit for bit (torch.equal), over keys of every sign, large draw
+    numbers and the sizes the samplers draw (draft vocabulary, a 151,936 vocabulary,
+    a verify step's rows). Negative control: a different draw number changes the noise."""
+    from megatron_tlt.rollout.sampling import exponential_noise
+    from megatron_tlt.rollout.triton_noise import exponential_noise_fused
+    g = torch.Generator().manual_seed(3)
+    keys = torch.cat([torch.tensor([0, -1, (1 << 63) - 1, -(1 << 63)]),
+                      torch.randint(-(1 << 63), (1 << 63) - 1, (60,), generator=g)]).to(CUDA)
+    draws = torch.cat([torch.tensor([0, 1, 1 << 40, (1 << 62) + 5]),
+                       torch.randint(0, 1 << 20, (60,), generator=g)]).to(CUDA)
+    monkeypatch.setenv("MEGATRON_TLT_FUSED_NOISE", "0")  # the reference's torch ops
+    refs = {}
+    for rows, n in ((64, 128), (3, 151936), (40, 8193), (1, 1)):
+        ref = refs[rows, n] = exponential_noise(keys[:rows], draws[:rows], n, CUDA)
+        out = exponential_noise_fused(keys[:rows], draws[:rows], n)
+        assert out.shape == ref.shape and torch.equal(out, ref), (rows, n)
+        assert bool((out > 0).all()) and bool(torch.isfinite(out).all())
+    ref = refs[3, 151936]
+    other = exponential_noise_fused(keys[:3], draws[:3] + 1, 151936)
+    assert other.shape == ref.shape and (other != ref).float().mean() > 0.99
+    monkeypatch.setenv("MEGATRON_TLT_FUSED_NOISE", "1")  # the dispatch takes the kernel
+    assert torch.equal(exponential_noise(keys[:3].cpu(), draws[:3].cpu(), 151936, CUDA), ref)
+
+
 def test_greedy_sampler_matches_reference_sampler():
     arch, w = small_model(torch.float32)
     eng = RolloutEngine(arch, w, max_num_seqs=8, num_blocks=64, block_size=16, dtype=torch.float32,
