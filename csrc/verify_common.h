@@ -115,13 +115,20 @@ int megatron_tlt_launch_verify_greedy(const int64_t* parents, const int64_t* dra
                                       int64_t* output_tokens, void* stream);
 
 // draft_probs == nullptr: one-hot proposals. residual_workspace: [batch, vocab] float32,
-// required when draft_probs != nullptr (its contents are scratch).
+// required when draft_probs != nullptr (its contents are scratch). split_workspace:
+// megatron_tlt_verify_rejection_split_bytes(batch, vocab) bytes of scratch (8-byte
+// aligned) for the split path (chains raced over many blocks per row; same outputs), or
+// nullptr for one block per row.
 int megatron_tlt_launch_verify_rejection(
     const int64_t* parents, const int64_t* draft_tokens, const float* target_probs,
     const float* draft_probs, const float* coins, const float* exp_noise,
-    float* residual_workspace, int64_t batch, int64_t num_nodes, int64_t vocab,
-    int64_t out_len, int64_t* accept_index, int64_t* accept_length, int64_t* output_tokens,
-    void* stream);
+    float* residual_workspace, void* split_workspace, int64_t batch, int64_t num_nodes,
+    int64_t vocab, int64_t out_len, int64_t* accept_index, int64_t* accept_length,
+    int64_t* output_tokens, void* stream);
+
+// Scratch bytes of the split path for (batch, vocab); 0 when the split path cannot run
+// (vocabulary too large for its split count).
+int64_t megatron_tlt_verify_rejection_split_bytes(int64_t batch, int64_t vocab);
 
 // Largest num_nodes the CUDA rejection kernel accepts (its rejected-token list lives in
 // shared memory).

@@ -173,22 +173,21 @@ __device__ ArgBest race(const float* r, const float* noise, int64_t vocab,
   return block_argbest(s, i, red);
 }
 
+// The whole walk of row b by one block (any tree shape).
 template <bool kOneHot>
-__global__ void __launch_bounds__(kThreads)
-    verify_rejection_kernel(const int64_t* __restrict__ parents_all,
-                            const int64_t* __restrict__ tokens_all,
-                            const float* __restrict__ target_all,
-                            const float* __restrict__ draft_all,
-                            const float* __restrict__ coins_all,
-                            const float* __restrict__ noise_all, float* work_all,
-                            int64_t num_nodes, int64_t vocab, int64_t out_len,
-                            int64_t* __restrict__ accept_index_all,
-                            int64_t* __restrict__ accept_length,
-                            int64_t* __restrict__ output_tokens_all) {
+__device__ void rejection_row(int64_t b, const int64_t* __restrict__ parents_all,
+                              const int64_t* __restrict__ tokens_all,
+                              const float* __restrict__ target_all,
+                              const float* __restrict__ draft_all,
+                              const float* __restrict__ coins_all,
+                              const float* __restrict__ noise_all, float* work_all,
+                              int64_t num_nodes, int64_t vocab, int64_t out_len,
+                              int64_t* __restrict__ accept_index_all,
+                              int64_t* __restrict__ accept_length,
+                              int64_t* __restrict__ output_tokens_all) {
   __shared__ ArgBest red[kWarps];
   __shared__ unsigned long long sum_red[kWarps];
   __shared__ int64_t rejected[kOneHot ? kMaxNodes : 1];
-  const int64_t b = blockIdx.x;
   const int64_t* parents = parents_all + b * num_nodes;
   const int64_t* tokens = tokens_all + b * num_nodes;
   const float* target = target_all + b * num_nodes * vocab;
@@ -260,6 +259,193 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) accept_length[b] = depth;
 }
 
+template <bool kOneHot>
+__global__ void __launch_bounds__(kThreads)
+    verify_rejection_kernel(const int64_t* __restrict__ parents_all,
+                            const int64_t* __restrict__ tokens_all,
+                            const float* __restrict__ target_all,
+                            const float* __restrict__ draft_all,
+                            const float* __restrict__ coins_all,
+                            const float* __restrict__ noise_all, float* work_all,
+                            int64_t num_nodes, int64_t vocab, int64_t out_len,
+                            int64_t* __restrict__ accept_index_all,
+                            int64_t* __restrict__ accept_length,
+                            int64_t* __restrict__ output_tokens_all) {
+  rejection_row<kOneHot>(blockIdx.x, parents_all, tokens_all, target_all, draft_all, coins_all,
+                         noise_all, work_all, num_nodes, vocab, out_len, accept_index_all,
+                         accept_length, output_tokens_all);
+}
+
+// ---- Split path: chains with the vocabulary spread over many blocks -------------------
+//
+// With one block per sequence the O(vocab) steps run on one SM each: at batch 1 a chain
+// verify over a 151,936-token vocabulary took ~190 us on the H200. For the rows whose
+// walk never meets a node with two or more children (every chain, and a tree whose
+// visited nodes have one child each), the work is:
+//   walk: scalar accept tests down the chain; the residual mass is 1 at the first (and,
+//         in a chain, only) rejection at a node, so no O(vocab) step is needed;
+//   race: the exponential race over the rejected node's residual (or, when nothing was
+//         rejected, the bonus race over the target row), plus the fallback race over the
+//         target row for an all-zero residual.
+// The race is an argmax under a total order, so it splits over vocabulary chunks exactly:
+// split_race_kernel (grid batch x splits) runs the walk redundantly in every block (it
+// reads only a few scalars), races its chunk and writes two partial winners; block 0 of
+// a row also writes the accepted path. split_finish_kernel (grid batch) picks the row's
+// winner from the partials, or runs rejection_row for a row whose walk met a branching
+// node. Same outputs as rejection_row, bit for bit: the residual entries are the same
+// tlt_residual_update(r, 1.0, q) values the sequential path stores in its workspace, and
+// the one-hot exclusion list then holds only the rejected token.
+
+constexpr int64_t kSplitChunk = 4 * kThreads;  // vocabulary entries per block
+constexpr int64_t kMaxSplits = 256;
+
+struct SplitPartial {
+  ArgBest residual;  // winner of the race over the residual (or the target row: bonus)
+  ArgBest plain;     // winner of the race over the target row (the all-zero fallback)
+};
+
+// Per row after the walk: [0] depth reached (accepted nodes), [1] 1 if the walk met a
+// node with two or more valid children (the sequential path must run), [2] node whose
+// row is raced, [3] rejected child (-1: none, bonus race).
+constexpr int kRowInts = 4;
+
+template <bool kOneHot>
+__global__ void __launch_bounds__(kThreads)
+    split_race_kernel(const int64_t* __restrict__ parents_all,
+                      const int64_t* __restrict__ tokens_all,
+                      const float* __restrict__ target_all, const float* __restrict__ draft_all,
+                      const float* __restrict__ coins_all, const float* __restrict__ noise_all,
+                      int64_t num_nodes, int64_t vocab, int64_t out_len, int64_t splits,
+                      SplitPartial* __restrict__ partials, int64_t* __restrict__ row_ints,
+                      int64_t* __restrict__ accept_index_all,
+                      int64_t* __restrict__ output_tokens_all) {
+  __shared__ ArgBest red[kWarps];
+  const int64_t b = blockIdx.x;
+  const int64_t split = blockIdx.y;
+  const int64_t* parents = parents_all + b * num_nodes;
+  const int64_t* tokens = tokens_all + b * num_nodes;
+  const float* target = target_all + b * num_nodes * vocab;
+  const float* draft = kOneHot ? nullptr : draft_all + b * num_nodes * vocab;
+  const float* coins = coins_all + b * num_nodes;
+  const float* noise = noise_all + b * vocab;
+  int64_t* accept_index = accept_index_all + b * out_len;
+  int64_t* output_tokens = output_tokens_all + b * out_len;
+  const bool writer = split == 0;
+  if (writer) reset_outputs(accept_index, output_tokens, out_len);
+
+  const int64_t max_depth = out_len - 1;
+  int64_t cur = 0, depth = 0, rejected_child = -1;
+  bool branch = false;
+  while (depth < max_depth) {
+    int64_t child = -1;
+    for (int64_t c = cur + 1; c < num_nodes; ++c) {
+      if (!is_child(parents, tokens, c, cur, vocab)) continue;
+      if (child >= 0) {
+        branch = true;
+        break;
+      }
+      child = c;
+    }
+    if (branch || child < 0) break;
+    const int64_t x = tokens[child];
+    const float rx = target[cur * vocab + x];
+    const bool accept = kOneHot ? tlt_accept_one_hot(coins[child], 1.0, rx)
+                                : tlt_accept_general(coins[child], draft[child * vocab + x], 1.0, rx);
+    if (!accept) {
+      rejected_child = child;
+      break;
+    }
+    if (writer && threadIdx.x == 0) {
+      output_tokens[depth] = x;
+      accept_index[depth + 1] = child;
+    }
+    ++depth;
+    cur = child;
+  }
+  if (writer && threadIdx.x == 0) {
+    int64_t* ri = row_ints + b * kRowInts;
+    ri[0] = depth;
+    ri[1] = branch ? 1 : 0;
+    ri[2] = cur;
+    ri[3] = rejected_child;
+  }
+  if (branch) return;  // uniform across the row's blocks: split_finish_kernel walks it
+
+  const float* r = target + cur * vocab;
+  const float* q = (kOneHot || rejected_child < 0) ? nullptr : draft + rejected_child * vocab;
+  const int64_t excluded = (kOneHot && rejected_child >= 0) ? tokens[rejected_child] : -1;
+  const bool residual = rejected_child >= 0;
+  const int64_t lo = split * kSplitChunk;
+  const int64_t hi = lo + kSplitChunk < vocab ? lo + kSplitChunk : vocab;
+  float rs = neg_inf(), ps = neg_inf();
+  long long ri = INT64_MAX, pi = INT64_MAX;
+  for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
+    const float rv = r[v];
+    const float e = noise[v];
+    const float ps_v = tlt_race_score(rv, e);
+    if (tlt_better(ps_v, v, ps, pi)) {
+      ps = ps_v;
+      pi = v;
+    }
+    float p = rv;
+    if (residual) p = kOneHot ? (v == excluded ? 0.0f : rv) : tlt_residual_update(rv, 1.0, q[v]);
+    const float rs_v = tlt_race_score(p, e);
+    if (tlt_better(rs_v, v, rs, ri)) {
+      rs = rs_v;
+      ri = v;
+    }
+  }
+  const ArgBest res = block_argbest(rs, ri, red);
+  const ArgBest plain = block_argbest(ps, pi, red);
+  if (threadIdx.x == 0) partials[b * splits + split] = SplitPartial{res, plain};
+}
+
+template <bool kOneHot>
+__global__ void __launch_bounds__(kThreads)
+    split_finish_kernel(const int64_t* __restrict__ parents_all,
+                        const int64_t* __restrict__ tokens_all,
+                        const float* __restrict__ target_all, const float* __restrict__ draft_all,
+                        const float* __restrict__ coins_all, const float* __restrict__ noise_all,
+                        float* work_all, int64_t num_nodes, int64_t vocab, int64_t out_len,
+                        int64_t splits, const SplitPartial* __restrict__ partials,
+                        const int64_t* __restrict__ row_ints,
+                        int64_t* __restrict__ accept_index_all,
+                        int64_t* __restrict__ accept_length,
+                        int64_t* __restrict__ output_tokens_all) {
+  __shared__ ArgBest red[kWarps];
+  const int64_t b = blockIdx.x;
+  const int64_t* ri = row_ints + b * kRowInts;
+  if (ri[1] != 0) {
+    rejection_row<kOneHot>(b, parents_all, tokens_all, target_all, draft_all, coins_all,
+                           noise_all, work_all, num_nodes, vocab, out_len, accept_index_all,
+                           accept_length, output_tokens_all);
+    return;
+  }
+  float rs = neg_inf(), ps = neg_inf();
+  long long rix = INT64_MAX, pix = INT64_MAX;
+  for (int64_t k = threadIdx.x; k < splits; k += kThreads) {
+    const SplitPartial sp = partials[b * splits + k];
+    if (tlt_better(sp.residual.score, sp.residual.index, rs, rix)) {
+      rs = sp.residual.score;
+      rix = sp.residual.index;
+    }
+    if (tlt_better(sp.plain.score, sp.plain.index, ps, pix)) {
+      ps = sp.plain.score;
+      pix = sp.plain.index;
+    }
+  }
+  ArgBest w = block_argbest(rs, rix, red);
+  const ArgBest plain = block_argbest(ps, pix, red);
+  if (w.score < 0.0f) w = plain;
+  if (threadIdx.x == 0) {
+    const int64_t depth = ri[0];
+    output_tokens_all[b * out_len + depth] = w.score < 0.0f ? 0 : w.index;
+    accept_length[b] = depth;
+  }
+}
+
+int64_t split_count(int64_t vocab) { return (vocab + kSplitChunk - 1) / kSplitChunk; }
+
 bool launchable(int64_t batch, int64_t num_nodes, int64_t vocab, int64_t out_len) {
   return batch <= INT32_MAX && num_nodes >= 1 && vocab >= 1 && out_len >= 1;
 }
@@ -268,6 +454,14 @@ bool launchable(int64_t batch, int64_t num_nodes, int64_t vocab, int64_t out_len
 }  // namespace megatron_tlt
 
 extern "C" int64_t megatron_tlt_cuda_max_nodes(void) { return megatron_tlt::kMaxNodes; }
+
+extern "C" int64_t megatron_tlt_verify_rejection_split_bytes(int64_t batch, int64_t vocab) {
+  using namespace megatron_tlt;
+  const int64_t splits = split_count(vocab);
+  if (splits > kMaxSplits || batch > INT32_MAX) return 0;
+  return batch * (splits * static_cast<int64_t>(sizeof(SplitPartial)) +
+                  kRowInts * static_cast<int64_t>(sizeof(int64_t)));
+}
 
 extern "C" int megatron_tlt_launch_verify_greedy(const int64_t* parents,
                                                  const int64_t* draft_tokens,
@@ -289,13 +483,41 @@ extern "C" int megatron_tlt_launch_verify_greedy(const int64_t* parents,
 extern "C" int megatron_tlt_launch_verify_rejection(
     const int64_t* parents, const int64_t* draft_tokens, const float* target_probs,
     const float* draft_probs, const float* coins, const float* exp_noise,
-    float* residual_workspace, int64_t batch, int64_t num_nodes, int64_t vocab,
-    int64_t out_len, int64_t* accept_index, int64_t* accept_length, int64_t* output_tokens,
-    void* stream) {
+    float* residual_workspace, void* split_workspace, int64_t batch, int64_t num_nodes,
+    int64_t vocab, int64_t out_len, int64_t* accept_index, int64_t* accept_length,
+    int64_t* output_tokens, void* stream) {
   using namespace megatron_tlt;
   if (batch == 0) return static_cast<int>(cudaSuccess);
   if (!launchable(batch, num_nodes, vocab, out_len)) return static_cast<int>(cudaErrorInvalidValue);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (draft_probs == nullptr && num_nodes > kMaxNodes) return static_cast<int>(cudaErrorInvalidValue);
+  if (draft_probs != nullptr && residual_workspace == nullptr) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (split_workspace != nullptr) {
+    const int64_t splits = split_count(vocab);
+    if (splits > kMaxSplits) return static_cast<int>(cudaErrorInvalidValue);
+    auto* partials = static_cast<SplitPartial*>(split_workspace);
+    auto* row_ints = reinterpret_cast<int64_t*>(partials + batch * splits);
+    const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(splits));
+    if (draft_probs == nullptr) {
+      split_race_kernel<true><<<grid, kThreads, 0, s>>>(
+          parents, draft_tokens, target_probs, nullptr, coins, exp_noise, num_nodes, vocab,
+          out_len, splits, partials, row_ints, accept_index, output_tokens);
+      split_finish_kernel<true><<<static_cast<unsigned>(batch), kThreads, 0, s>>>(
+          parents, draft_tokens, target_probs, nullptr, coins, exp_noise, nullptr, num_nodes,
+          vocab, out_len, splits, partials, row_ints, accept_index, accept_length, output_tokens);
+    } else {
+      split_race_kernel<false><<<grid, kThreads, 0, s>>>(
+          parents, draft_tokens, target_probs, draft_probs, coins, exp_noise, num_nodes, vocab,
+          out_len, splits, partials, row_ints, accept_index, output_tokens);
+      split_finish_kernel<false><<<static_cast<unsigned>(batch), kThreads, 0, s>>>(
+          parents, draft_tokens, target_probs, draft_probs, coins, exp_noise,
+          residual_workspace, num_nodes, vocab, out_len, splits, partials, row_ints,
+          accept_index, accept_length, output_tokens);
+    }
+    return static_cast<int>(cudaGetLastError());
+  }
   if (draft_probs == nullptr) {
     if (num_nodes > kMaxNodes) return static_cast<int>(cudaErrorInvalidValue);
     verify_rejection_kernel<true><<<static_cast<unsigned>(batch), kThreads, 0, s>>>(

@@ -7,6 +7,9 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "verify_checks.h"
 #include "verify_common.h"
 
@@ -15,6 +18,11 @@ namespace {
 
 constexpr const char* kGreedyOp = "megatron_tlt::verify_tree_greedy";
 constexpr const char* kRejectionOp = "megatron_tlt::verify_tree_rejection";
+
+bool split_path_enabled() {
+  const char* v = std::getenv("MEGATRON_TLT_VERIFY_SPLIT");
+  return v == nullptr || std::string(v) != "0";
+}
 
 void check_launch(const char* op, int status) {
   const auto err = static_cast<cudaError_t>(status);
@@ -63,12 +71,22 @@ void verify_tree_rejection_cuda(const at::Tensor& parents, const at::Tensor& dra
   // pool under CUDA-graph capture), so no host sync.
   at::Tensor work;
   if (general) work = at::empty({s.batch, s.vocab}, target_probs.options());
+  // The split path (chains: the vocabulary over many blocks per row) unless
+  // MEGATRON_TLT_VERIFY_SPLIT=0 (one block per row, the original kernel).
+  at::Tensor split;
+  const int64_t split_bytes = split_path_enabled()
+                                  ? megatron_tlt_verify_rejection_split_bytes(s.batch, s.vocab)
+                                  : 0;
+  if (split_bytes > 0) {
+    split = at::empty({(split_bytes + 7) / 8}, target_probs.options().dtype(at::kLong));
+  }
   check_launch(kRejectionOp,
                megatron_tlt_launch_verify_rejection(
                    parents.data_ptr<int64_t>(), draft_tokens.data_ptr<int64_t>(),
                    target_probs.data_ptr<float>(),
                    general ? draft_probs->data_ptr<float>() : nullptr, coins.data_ptr<float>(),
                    exp_noise.data_ptr<float>(), general ? work.data_ptr<float>() : nullptr,
+                   split_bytes > 0 ? split.data_ptr() : nullptr,
                    s.batch, s.num_nodes, s.vocab, s.out_len, accept_index.data_ptr<int64_t>(),
                    accept_length.data_ptr<int64_t>(), output_tokens.data_ptr<int64_t>(), stream));
 }

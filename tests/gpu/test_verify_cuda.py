@@ -48,14 +48,19 @@ def assert_same(cuda_out: VerifyOutput, cpu_out: VerifyOutput, label: str) -> No
 
 
 @pytest.mark.parametrize("batch,depth,topk,vocab", GRID, ids=[f"B{b}-D{d}-k{k}-V{v}" for b, d, k, v in GRID])
-def test_cuda_kernel_equals_reference(batch, depth, topk, vocab):
+@pytest.mark.parametrize("split", ["1", "0"], ids=["split", "one-block"])
+def test_cuda_kernel_equals_reference(batch, depth, topk, vocab, split, monkeypatch):
+    """Both rejection paths: the split path (chains raced over many blocks per row; rows
+    that meet a branching node fall back to the one-block walk) and one block per row
+    (MEGATRON_TLT_VERIFY_SPLIT=0)."""
+    monkeypatch.setenv("MEGATRON_TLT_VERIFY_SPLIT", split)
     seed = batch * 1000 + depth * 100 + topk * 10 + vocab % 7
     for general_q in (False, True):
         x = VerifyInputs.make_dummy(batch, depth, topk, vocab, general_q=general_q, seed=seed)
         xc = x.to("cuda")
         modes = [("greedy", True), ("rejection", False)] if not general_q else [("rejection-q", False)]
         for mode, greedy in modes:
-            label = f"B{batch} D{depth} k{topk} V{vocab} {mode}"
+            label = f"B{batch} D{depth} k{topk} V{vocab} {mode} split={split}"
             ref = verify_inputs(x, greedy=greedy, impl="reference")
             assert_same(verify_inputs(xc, greedy=greedy, impl="kernel"), ref, label)
             assert_same(verify_inputs(x, greedy=greedy, impl="kernel"), ref, label + " (CPU kernel)")
@@ -72,11 +77,14 @@ def quantized_probs(shape, gen: torch.Generator) -> torch.Tensor:
     return counts / 8
 
 
+@pytest.mark.parametrize("topk", [1, 2])  # chains take the split path, trees fall back
 @pytest.mark.parametrize("general_q", [False, True])
-@pytest.mark.parametrize("vocab", [4, 1000])
-def test_cuda_kernel_equals_reference_on_exact_ties(general_q, vocab):
+@pytest.mark.parametrize("vocab", [4, 1000, 5000])
+def test_cuda_kernel_equals_reference_on_exact_ties(general_q, vocab, topk):
+    """Quantized probabilities: exact ties in the races and all-zero residuals (q == p at a
+    rejected node: the fallback race over the target row) happen often."""
     gen = torch.Generator().manual_seed(11)
-    x = VerifyInputs.make_dummy(4000, 3, 2, vocab, general_q=general_q, seed=11)
+    x = VerifyInputs.make_dummy(4000 if vocab <= 1000 else 500, 3, topk, vocab, general_q=general_q, seed=11)
     x.target_probs = quantized_probs(x.target_probs.shape, gen)
     if general_q:
         x.draft_probs = quantized_probs(x.draft_probs.shape, gen)
