@@ -45,6 +45,12 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="every response runs to at least this many tokens (stop tokens banned "
+                        "until then; --min-new-tokens = --max-new-tokens fixes the length), so "
+                        "the modes, whose sampled texts differ, compare at equal lengths: "
+                        "with few prompts a short plain response carries its prefill over few "
+                        "tokens and flatters SD's tokens/s")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", default="arith,sort", help="built-in synthetic tasks for the prompts")
     src.add_argument("--prompts", default=None, help="prompts JSONL (prompt or prompt_token_ids)")
@@ -67,6 +73,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     args = p.parse_args(extra)
     if args.max_new_tokens < 1 or args.repeats < 1 or args.temperature < 0:
         raise TLTError("bench spec: --max-new-tokens and --repeats must be >= 1, --temperature >= 0")
+    if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        raise TLTError(f"bench spec: --min-new-tokens must be in [0, --max-new-tokens], got "
+                       f"{args.min_new_tokens}")
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
     bad = [n for n in names if n not in ("eagle", "ngram")]
     if bad or not names:
@@ -108,8 +117,9 @@ def _counters(engine, decoder) -> dict[str, int]:
 def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
          max_new_tokens: int | None = None, profile: bool = False) -> dict:
     from megatron_tlt.rollout import Request, SamplingParams
-    params = SamplingParams(temperature=args.temperature, seed=args.seed,
-                            max_new_tokens=max_new_tokens or args.max_new_tokens)
+    new = max_new_tokens or args.max_new_tokens
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_new_tokens=new,
+                            min_new_tokens=min(args.min_new_tokens, new))
     reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
             for pid, ids in prompts]
     engine.spec_decoder = decoder

@@ -58,8 +58,27 @@ def test_bench_spec_cpu(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_bench_spec_fixed_length(tmp_path):
+    """--min-new-tokens = --max-new-tokens: every mode's responses have exactly that length
+    (the tiny default stops early without it: control)."""
+    lens = {}
+    for flag in ([], ["--min-new-tokens", "24"]):
+        path = tmp_path / f"spec{len(flag)}.json"
+        assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                     "--batch-sizes", "4", "--max-new-tokens", "24", "--tasks", "sort",
+                     "--device", "cpu", "--breakdown-tokens", "0"] + flag) == 0
+        report = json.loads(path.read_text())
+        assert report["settings"]["min_new_tokens"] == (24 if flag else 0)
+        lens[bool(flag)] = {r["mode"]: r["repeats"][0]["max_len"] for r in report["results"]} | \
+            {r["mode"] + "_mean": r["mean_len"] for r in report["results"]}
+    assert lens[True] == {"off": 24, "ngram": 24, "off_mean": 24.0, "ngram_mean": 24.0}
+    assert lens[False]["off_mean"] < 24  # the sort answers end before 24 tokens
+
+
 def test_bench_spec_bad_input(capsys):
     assert main(["bench", "spec", "--model", TINY, "--drafters", "eagle", "--device", "cpu"]) == 2
     assert "--drafters eagle needs --drafter DIR" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", TINY, "--drafters", "medusa", "--device", "cpu"]) == 2
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
+                 "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
     assert "--drafters takes eagle and/or ngram" in capsys.readouterr().err
