@@ -199,9 +199,10 @@ class ChainGraphs:
     def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
         if not self.use_graphs:
             return self._body(bucket, depth, setting, buf)
-        kv = self.p.kv
+        kv, d = self.p.kv, self.p.drafter
+        d.refresh_fused()  # in place: the graphs read the fused weights
         kv_key = (kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity, kv.num_slots,
-                  self.p.drafter.head_weight().data_ptr())
+                  d.head_weight().data_ptr(), tuple(t.data_ptr() for _, t in d._fused.values()))
         if kv_key != self._kv_key:
             self.release()  # buffers moved: every graph reads stale addresses
             self._kv_key = kv_key

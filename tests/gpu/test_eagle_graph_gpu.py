@@ -97,8 +97,9 @@ def test_generate_with_draft_graphs_equals_eager_drafting(model_dir, temperature
 
 
 def test_drafter_fast_products_and_norms_match_the_invariant_path(model_dir):
-    """On a CUDA engine (not batch-invariant) the drafter runs plain products and torch's
-    fused RMSNorm; its layer outputs stay within bf16 rounding of the batch-invariant
+    """On a CUDA engine (not batch-invariant) the drafter runs fused products (QKV, gate/up,
+    joint RoPE) and torch's fused RMSNorm; q, k, v and the layer output stay within bf16
+    rounding of the batch-invariant
     reference path (16-row tiles, composite norm), and a SpecDecoder binds that setting."""
     e = _engine(model_dir, torch.bfloat16, attention_backend="triton", cuda_graphs=True)
     d = random_eagle(e, seed=4)
@@ -109,12 +110,16 @@ def test_drafter_fast_products_and_norms_match_the_invariant_path(model_dir):
     feats = torch.randn(20, d.arch.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
     pos = torch.arange(1, 21, device="cuda")
     out = {}
-    for inv in (True, False):
-        d.batch_invariant = inv
-        x, q, k, v = d.layer_qkv(tokens_, feats, pos)
-        out[inv] = d.layer_out(x, q)  # q stands in for the attention output (same shape)
-    err = (out[False].float() - out[True].float()).abs().max() / out[True].float().abs().max()
-    assert err < 3e-2, float(err)
+    d.fused_products = True  # opt-in path under test (MEGATRON_TLT_DRAFTER_FUSED=1)
+    with torch.no_grad():  # rollout: the fused QKV / gate-up products and joint RoPE
+        for inv in (True, False):
+            d.batch_invariant = inv
+            x, q, k, v = d.layer_qkv(tokens_, feats, pos)
+            out[inv] = (q, k, v, d.layer_out(x, q))  # q stands in for the attention output
+    assert "qkv" in d._fused and "gate_up" in d._fused
+    for a, b in zip(out[True], out[False]):
+        err = (b.float() - a.float()).abs().max() / a.float().abs().max()
+        assert err < 3e-2, float(err)
     reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], max_new_tokens=12)
     e.spec_decoder = SpecDecoder(prop, Strategy(depth=3))
     e.generate(reqs)
