@@ -20,7 +20,12 @@
 # "off ngram eagle"; empty: none) picks the RL steps, to split the work over calls of a
 # time-limited machine (re-running the script later skips the stages already done). The
 # 120-step SFT takes ~510 s on one H200: give it a call of its own, with nothing else on the
-# GPU (next to the GPU tests it ran past a 583 s limit).
+# GPU (next to the GPU tests it ran past a 583 s limit), or start it with setsid in the
+# background (STOP_AFTER=target) and run the GPU tests beside it (559 s in session 7).
+# BENCH_SPEC_ARGS adds bench spec flags (e.g. "--min-new-tokens 256" for equal lengths);
+# RL_STEPS (default 1) runs more GRPO steps per spec: a first step's rollout also pays
+# one-time work (the kernel planner's timings, graph captures; the metrics do not separate
+# them), so a second step shows the steady state.
 set -euo pipefail
 OUT=${1:?usage: h200_rl_step.sh OUT_DIR [SFT_STEPS]}
 SFT_STEPS=${2:-20}
@@ -57,7 +62,8 @@ if [ "${SKIP_BENCH_SPEC:-0}" != 1 ] && [ ! -f "$OUT/bench_spec.json" ]; then
   echo "[h200_rl_step] SD benchmark: eagle and ngram vs off at T=0.9, batch 1/4/16/32"
   $PY -m megatron_tlt bench spec --json "$OUT/bench_spec.json" --model "$OUT/sft/hf" \
       --drafter "$OUT/drafter" --drafters eagle,ngram --batch-sizes 1,4,16,32 \
-      --temperature 0.9 --max-new-tokens 256 --tasks arith,sort --profile-batch-sizes 1,32 2>&1 | tail -n 20
+      --temperature 0.9 --max-new-tokens 256 --tasks arith,sort --profile-batch-sizes 1,32 \
+      ${BENCH_SPEC_ARGS:-} 2>&1 | tail -n 20
   echo "[h200_rl_step] SD benchmark done at $(( $(date +%s) - t0 )) s"
   keep "$OUT/bench_spec.json"
 fi
@@ -69,7 +75,7 @@ for spec in $RL_SPECS; do
     [ "$spec" = eagle ] && extra=(rollout.drafter="$OUT/drafter")
     $PY -m megatron_tlt train --config examples/rl_step_1p5b_h200.yaml \
         model.hf_path="$OUT/sft/hf" rollout.spec=$spec train.out_dir="$OUT/rl_$spec" \
-        "${extra[@]}" 2>&1 | tail -n 12 | tee "$OUT/rl_$spec.log"
+        train.steps="${RL_STEPS:-1}" "${extra[@]}" 2>&1 | tail -n 12 | tee "$OUT/rl_$spec.log"
     [ -f "$OUT/rl_$spec/metrics.jsonl" ] && cp "$OUT/rl_$spec/metrics.jsonl" "$OUT/metrics_$spec.jsonl" \
         && keep "$OUT/metrics_$spec.jsonl" "$OUT/rl_$spec.log"
     rm -rf "$OUT/rl_$spec/checkpoints" "$OUT/rl_$spec/init_mcore"  # disk: ~24 GB per run
