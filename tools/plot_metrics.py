@@ -19,7 +19,7 @@ PANELS = {
     "reward": ["reward_mean"],
     "lengths": ["len_p50", "len_p90", "len_p99", "len_max"],
     "phase_times": ["t_rollout", "t_reward", "t_logprobs", "t_update", "t_weight_sync", "t_step"],
-    "rollout_time": ["t_rollout_tail", "t_rollout_b*"],
+    "rollout_time": ["t_rollout_tail", "t_rollout_capture", "t_rollout_b*"],
     "acceptance": ["acceptance_length", "acceptance_rate", "accept_len_b*"],
     "loss": ["pg_loss", "clip_frac", "kl_ref", "train_infer_logp_gap", "entropy_est"],
 }

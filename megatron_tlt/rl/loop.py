@@ -56,7 +56,8 @@ def rollout_time_metrics(step_log: list[tuple[int, float]], num_requests: int,
     rollout's sequences (`tail_batch`); t_rollout_b<bucket> = seconds per running-batch
     bucket (spec/stats.py's buckets 1, 2-4, 5-8, 9-16, 17-32, 33+, written b1, b2_4, ...,
     b33_up); and with speculative decoding accept_len_b<bucket>, the acceptance length
-    per bucket."""
+    per bucket. (The caller adds t_rollout_capture: RolloutEngine.capture_seconds() over
+    the rollout.)"""
     tail = max(1, num_requests // 4)
     m = {"tail_batch": tail, "rollout_steps": len(step_log),
          "rollout_steps_tail": sum(1 for b, _ in step_log if b <= tail),
@@ -372,11 +373,14 @@ class RLRun:
         sd = self.engine.spec_decoder
         if sd is not None:
             sd.metrics.reset()
+        c0 = self.engine.capture_seconds()
         results = self.engine.generate(reqs)
         t_roll = time.perf_counter() - t0
+        t_capture = self.engine.capture_seconds() - c0
         summary = sd.metrics.summary() if sd is not None else {}
         spec = summary.get("total", {})
         timing = rollout_time_metrics(self.engine.step_log, len(reqs), summary.get("by_batch_size"))
+        timing["t_rollout_capture"] = t_capture
         for r in results:
             if r.error:
                 raise TLTError(f"rollout of prompt {r.prompt_id} failed: {r.error}")

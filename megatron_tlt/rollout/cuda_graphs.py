@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from typing import Sequence as Seq
 
 import torch
@@ -139,6 +140,9 @@ class DecodeRunner:
         self._logits: torch.Tensor | None = None
         self._kv_ptr: int | None = None
         self.num_captures = 0
+        self.capture_s = 0.0
+        """Wall seconds spent capturing graphs (decode, sampling, verify), their warm-ups
+        included: Triton compilation, the linear planner's timings on first use."""
         """How many times the graphs were captured (1 + one per wake after a sleep)."""
         self.num_steps = 0
         """Decode steps served by this runner."""
@@ -375,6 +379,7 @@ class DecodeRunner:
         count), with every row padding so nothing is written to the KV pool."""
         if self.cache.is_sleeping:
             raise RuntimeError("DecodeRunner: verify while the KV cache is asleep; wake() first")
+        t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._fill_verify_padding(v, 0, q)
@@ -393,6 +398,7 @@ class DecodeRunner:
         self._vgraphs[(bucket, q)] = (graph, hidden)
         self._kv_ptr = self.cache.k[0].data_ptr()
         torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
 
     @property
     def num_verify_graphs(self) -> int:
@@ -407,6 +413,7 @@ class DecodeRunner:
         if self.cache.is_sleeping:
             raise RuntimeError("DecodeRunner.capture() while the KV cache is asleep; wake() first")
         self.release()
+        t0 = time.perf_counter()
         saved = self._meta.clone()
         self._meta[:, :_NCOL] = self._pad.to(self.device)  # warm-up and capture write no K/V
         self._logits = torch.empty(self.max_batch, self.vocab_size, dtype=torch.float32,
@@ -430,6 +437,7 @@ class DecodeRunner:
         self._kv_ptr = self.cache.k[0].data_ptr()
         self.num_captures += 1
         torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
 
     def release(self) -> None:
         """Drop the graphs (decode, sampling and verify), their memory pool and the logits
@@ -543,6 +551,7 @@ class DecodeRunner:
         graph = self._sgraphs.get(bucket)
         if graph is not None:
             return graph
+        t0 = time.perf_counter()
         logits = self._logits[:bucket]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -554,6 +563,7 @@ class DecodeRunner:
             self._sample_forward(bucket, logits)
         self._sgraphs[bucket] = graph
         torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
         return graph
 
     @property

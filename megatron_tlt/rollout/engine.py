@@ -156,6 +156,15 @@ class RolloutEngine:
         """In-place policy update (HF names); see EngineWeights.update_weights."""
         self.weights.update_weights(named_tensors, version)
 
+    def capture_seconds(self) -> float:
+        """Wall seconds spent so far capturing CUDA graphs (decode, sampling, verify forwards,
+        and the speculative decoder's), warm-ups included: on a first call Triton compiles
+        its kernels and the linear planner times its candidates there. One-time work per
+        process or per wake (sleep drops the decode graphs), inside whatever generate call
+        meets it; 0 on CPU."""
+        t = self.decode_runner.capture_s if self.decode_runner is not None else 0.0
+        return t + (self.spec_decoder.capture_seconds() if self.spec_decoder is not None else 0.0)
+
     def sleep(self) -> None:
         """Release the KV cache memory (only between generate calls). Decode CUDA graphs
         hold the pool's address: they are dropped here and recaptured at the next decode;

@@ -244,6 +244,13 @@ class SpecDecoder:
         self._preemptions.clear()
         self.drafter.reset()
 
+    def capture_seconds(self) -> float:
+        """Wall seconds this decoder's CUDA graphs took to capture (verification math and
+        the EAGLE chain graphs), warm-ups included; 0 without graphs (CPU)."""
+        t = self._math.capture_s if self._math is not None else 0.0
+        g = getattr(self.drafter, "_chain_graphs", None)
+        return t + (g.capture_s if g is not None else 0.0)
+
     def release_verify_graphs(self) -> None:
         """Free the verification fast path's graphs and buffers (e.g. while the engine
         sleeps); they are rebuilt at the next verify."""

@@ -46,6 +46,7 @@ gathered head in place). Kill switch: MEGATRON_TLT_DRAFT_GRAPHS=0.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -82,6 +83,8 @@ class ChainGraphs:
         """Propose steps served (graph replays or, without graphs, eager runs)."""
         self.num_replays = 0
         self.num_captures = 0
+        self.capture_s = 0.0
+        """Wall seconds spent capturing (warm-ups included)."""
         self.num_invalidations = 0
         """Times every graph was dropped because a buffer it reads moved."""
 
@@ -217,6 +220,7 @@ class ChainGraphs:
 
     def _capture(self, bucket, depth, setting, buf):
         dev = buf["ints"].device
+        t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # Warm-up and capture run the real inputs: the body's writes go to positions past
@@ -231,6 +235,8 @@ class ChainGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._body(bucket, depth, setting, buf)
         self.num_captures += 1
+        torch.cuda.synchronize(dev)
+        self.capture_s += time.perf_counter() - t0
         return graph, out
 
     def release(self) -> None:

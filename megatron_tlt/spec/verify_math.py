@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+import time
 
 import torch
 
@@ -122,6 +123,8 @@ class VerifyMath:
         self._pool = None
         self.num_steps = 0
         self.num_captures = 0
+        self.capture_s = 0.0
+        """Wall seconds spent capturing (warm-ups included)."""
         self.num_replays = 0
 
     @staticmethod
@@ -286,6 +289,7 @@ class VerifyMath:
         then capture into the shared pool. Graphs never run concurrently and their outputs
         are our static buffers, so they can share the pool's intermediates."""
         dev = self.device
+        t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         cur = torch.cuda.current_stream(dev)
@@ -298,6 +302,8 @@ class VerifyMath:
         with torch.cuda.graph(graph, pool=self._pool):
             self._math(plan.mode, plan.bucket, plan.q, src)
         self.num_captures += 1
+        torch.cuda.synchronize(dev)
+        self.capture_s += time.perf_counter() - t0
         return graph
 
     def _math(self, mode: str, bucket: int, q: int,

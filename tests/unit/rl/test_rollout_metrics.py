@@ -44,8 +44,29 @@ def test_rl_step_reports_the_breakdown(tmp_path, spec):
     buckets = sum(v for k, v in m.items() if k.startswith("t_rollout_b"))
     assert 0 <= m["t_rollout_tail"] <= buckets <= m["t_rollout"]
     assert m["t_rollout_b17_32"] > 0  # the first steps ran all 32 sequences
+    assert m["t_rollout_capture"] == 0.0 == run.engine.capture_seconds()  # no CUDA graphs on CPU
     accept = {k: v for k, v in m.items() if k.startswith("accept_len_b")}
     if spec == "off":
         assert not accept
     else:
         assert accept and all(v >= 1.0 for v in accept.values())
+
+
+def test_capture_seconds_sums_the_engine_and_decoder_clocks():
+    """RolloutEngine.capture_seconds adds the decode runner's capture clock and the
+    speculative decoder's (verify math + EAGLE chain graphs); what a GPU run accumulates
+    is stood in for by set clocks (CUDA graphs exist only on a GPU)."""
+    import types
+
+    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    dec = SpecDecoder.__new__(SpecDecoder)
+    dec._math = types.SimpleNamespace(capture_s=0.25)
+    dec.drafter = types.SimpleNamespace(_chain_graphs=types.SimpleNamespace(capture_s=0.5))
+    eng = RolloutEngine.__new__(RolloutEngine)
+    eng.decode_runner, eng.spec_decoder = types.SimpleNamespace(capture_s=2.0), dec
+    assert eng.capture_seconds() == 2.75
+    dec._math, dec.drafter = None, types.SimpleNamespace()  # n-gram drafter, no fast verify
+    eng.decode_runner = None
+    assert eng.capture_seconds() == 0.0
