@@ -14,6 +14,10 @@ tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py
 `speedup` = SD tokens/s / off tokens/s. At temperature > 0 the modes draw different
 tokens (lossless means same distribution, not same samples), so response lengths differ:
 tokens/s, not wall time, is the comparable figure; the mean lengths are reported too.
+With few prompts the lengths can differ a lot (session 7, batch 1: plain 50 tokens, EAGLE
+256), and a short run's tokens/s carries its prefill over few tokens: a row whose mean
+length is off by more than 25% from plain's gets `length_mismatch` and a printed warning;
+`--min-new-tokens N` (N = --max-new-tokens) fixes the lengths.
 Each run also records its engine steps, ms per step and `events`: graph captures and
 kernel-planner timings that happened inside it (they belong in the warm-up; a timed run
 that holds one is slower than steady state).
@@ -271,11 +275,17 @@ def main(args: argparse.Namespace) -> int:
                 row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
                 row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
                 row["speedup"] = row["tokens_per_s"] / off_tps if off_tps else None
+                off_len = statistics.mean(x["mean_len"] for x in runs["off"])
+                row["length_mismatch"] = bool(off_len and abs(row["mean_len"] / off_len - 1) > 0.25)
             rows.append(row)
             acc = (f" acceptance length {row['acceptance_length']:.2f}, speedup {row['speedup']:.2f}x"
                    if mode != "off" else "")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
                   f"{row['mean_len']:.1f}{acc}", flush=True)
+            if row.get("length_mismatch"):
+                print(f"B={b:>3} {mode:>5}: WARNING mean length {row['mean_len']:.1f} vs plain "
+                      f"{off_len:.1f}: tokens/s carry prefill differently, the speedup is not "
+                      f"comparable (use --min-new-tokens {opts.max_new_tokens})", flush=True)
         if b in opts.profile_batch_sizes:
             for mode in runs:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)

@@ -72,6 +72,13 @@ def test_bench_spec_fixed_length(tmp_path):
         lens[bool(flag)] = {r["mode"]: r["repeats"][0]["max_len"] for r in report["results"]} | \
             {r["mode"] + "_mean": r["mean_len"] for r in report["results"]}
     assert lens[True] == {"off": 24, "ngram": 24, "off_mean": 24.0, "ngram_mean": 24.0}
+    free = json.loads((tmp_path / "spec0.json").read_text())["results"]
+    off_mean = next(r["mean_len"] for r in free if r["mode"] == "off")
+    for r in free:
+        if r["mode"] != "off":
+            assert r["length_mismatch"] == (abs(r["mean_len"] / off_mean - 1) > 0.25)
+    fixed = json.loads((tmp_path / "spec2.json").read_text())
+    assert [r["length_mismatch"] for r in fixed["results"] if r["mode"] != "off"] == [False]
     assert lens[False]["off_mean"] < 24  # the sort answers end before 24 tokens
 
 
