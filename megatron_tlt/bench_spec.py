@@ -267,6 +267,7 @@ def main(args: argparse.Namespace) -> int:
                 runs[mode].append(_run(engine, decoders.get(mode), prompts[:b], opts,
                                        f"b{b}-r{r}-{mode}", clock))
         off_tps = statistics.median(x["tokens_per_s"] for x in runs["off"])
+        off_len = statistics.mean(x["mean_len"] for x in runs["off"])
         for mode, xs in runs.items():
             row = {"batch": b, "mode": mode, "repeats": xs,
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in xs),
@@ -275,7 +276,6 @@ def main(args: argparse.Namespace) -> int:
                 row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
                 row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
                 row["speedup"] = row["tokens_per_s"] / off_tps if off_tps else None
-                off_len = statistics.mean(x["mean_len"] for x in runs["off"])
                 row["length_mismatch"] = bool(off_len and abs(row["mean_len"] / off_len - 1) > 0.25)
             rows.append(row)
             acc = (f" acceptance length {row['acceptance_length']:.2f}, speedup {row['speedup']:.2f}x"

@@ -140,10 +140,10 @@ class DecodeRunner:
         self._logits: torch.Tensor | None = None
         self._kv_ptr: int | None = None
         self.num_captures = 0
+        """How many times the graphs were captured (1 + one per wake after a sleep)."""
         self.capture_s = 0.0
         """Wall seconds spent capturing graphs (decode, sampling, verify), their warm-ups
         included: Triton compilation, the linear planner's timings on first use."""
-        """How many times the graphs were captured (1 + one per wake after a sleep)."""
         self.num_steps = 0
         """Decode steps served by this runner."""
         self._vgraphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}

@@ -40,7 +40,7 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
 from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, exponential_noise,
-                                           make_noise_stream, sample)
+                                           has_triton, make_noise_stream, sample)
 from megatron_tlt.rollout.scheduler import Scheduler, Sequence
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -50,10 +50,7 @@ def fast_path_options(device: torch.device | str) -> dict:
     attention backend with CUDA-graph decode (the fast path `bench rollout` measures);
     elsewhere the torch backend (the reference; its paged attention loops over sequences
     in Python, fine for tiny CPU models, far too slow for a GPU rollout)."""
-    if torch.device(device).type != "cuda":
-        return {}
-    import importlib.util
-    if importlib.util.find_spec("triton") is None:
+    if torch.device(device).type != "cuda" or not has_triton():
         return {}
     return {"attention_backend": "triton", "cuda_graphs": True}
 

@@ -32,6 +32,7 @@ Definitions (used by every caller, the trainer included):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import math
@@ -131,15 +132,14 @@ def noise_bits(keys: torch.Tensor,  # [B] int64: per-request stream keys
     return _mix64(row[:, None] + idx[None, :])
 
 
-_HAS_TRITON: list[bool] = []
+@functools.cache
+def has_triton() -> bool:
+    """Whether triton is installed (looked up once; importing it is left to the caller)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _fused_noise() -> bool:
-    if os.environ.get("MEGATRON_TLT_FUSED_NOISE", "1") == "0":
-        return False
-    if not _HAS_TRITON:
-        _HAS_TRITON.append(importlib.util.find_spec("triton") is not None)
-    return _HAS_TRITON[0]
+    return os.environ.get("MEGATRON_TLT_FUSED_NOISE", "1") != "0" and has_triton()
 
 
 def exponential_noise(keys: torch.Tensor, draws: torch.Tensor, n: int,

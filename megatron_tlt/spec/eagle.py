@@ -278,17 +278,26 @@ class EagleDrafter(nn.Module):
             self._fused[name] = c = (key, buf)
         return c[1]
 
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fused QKV weight, fused QKV bias or None)."""
+        att = self.layers[0].self_attn
+        w = self._fused_weight("qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        if att.q_proj.bias is None:
+            return w, None
+        return w, self._fused_weight("qkv_bias", [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
+
+    def _fused_gate_up(self) -> torch.Tensor:
+        mlp = self.layers[0].mlp
+        return self._fused_weight("gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+
     def refresh_fused(self) -> None:
         """Build, or bring up to date in place, everything the fused path reads (before a
         graph replay, so a capture never meets a tensor created inside it)."""
         if not self._fast():
             return
-        att, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        self._fused_weight("qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-        if att.q_proj.bias is not None:
-            self._fused_weight("qkv_bias", [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-        self._fused_weight("gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
-        self._rope_table(att.q_proj.weight.dtype)
+        w, _ = self._fused_qkv()
+        self._fused_gate_up()
+        self._rope_table(w.dtype)
 
     def _rope_table(self, dtype: torch.dtype) -> torch.Tensor:
         """[max_positions, 2, head_dim]: cos and the sign-folded sin (-sin on the first
@@ -325,10 +334,7 @@ class EagleDrafter(nn.Module):
         y = self._norm(x, lay.input_layernorm.weight)
         if self._fast():
             h, kvh = a.num_heads, a.num_kv_heads
-            w = self._fused_weight("qkv", [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-            b = None if att.q_proj.bias is None else \
-                self._fused_weight("qkv_bias", [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-            qkv = F.linear(y, w, b).view(t, h + 2 * kvh, a.head_dim)
+            qkv = F.linear(y, *self._fused_qkv()).view(t, h + 2 * kvh, a.head_dim)
             v = qkv[:, h + kvh:]
             if not a.qk_norm:
                 cs = self._rope_table(qkv.dtype).index_select(0, positions)  # [T, 2, D]
@@ -354,9 +360,7 @@ class EagleDrafter(nn.Module):
         x = x + self._lin(o.reshape(o.shape[0], -1), lay.self_attn.o_proj)
         y = self._norm(x, lay.post_attention_layernorm.weight)
         if self._fast():
-            mlp = lay.mlp
-            gate, up = F.linear(y, self._fused_weight("gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
-                                ).chunk(2, dim=-1)
+            gate, up = F.linear(y, self._fused_gate_up()).chunk(2, dim=-1)
         else:
             gate = self._lin(y, lay.mlp.gate_proj)
             up = self._lin(y, lay.mlp.up_proj)
