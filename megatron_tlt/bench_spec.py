@@ -62,6 +62,11 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--prompt-sets", type=int, default=1,
+                   help="each timed run at batch size B generates for N disjoint sets of B "
+                        "prompts one after the other and reports their totals (N x max batch "
+                        "prompts are drawn): at batch 1 one prompt's text would otherwise "
+                        "decide the acceptance and the speedup")
     p.add_argument("--breakdown-tokens", type=int, default=64,
                    help="after the timed runs, one more run per (B, drafter) of this many new "
                         "tokens with the device synchronised around each phase of the SD step, "
@@ -75,8 +80,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto",) + ENGINE_DTYPES,
                    help="engine dtype (auto: the checkpoint's on a GPU, float32 on the CPU)")
     args = p.parse_args(extra)
-    if args.max_new_tokens < 1 or args.repeats < 1 or args.temperature < 0:
-        raise TLTError("bench spec: --max-new-tokens and --repeats must be >= 1, --temperature >= 0")
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.prompt_sets < 1 or args.temperature < 0:
+        raise TLTError("bench spec: --max-new-tokens, --repeats and --prompt-sets must be >= 1, "
+                       "--temperature >= 0")
     if not 0 <= args.min_new_tokens <= args.max_new_tokens:
         raise TLTError(f"bench spec: --min-new-tokens must be in [0, --max-new-tokens], got "
                        f"{args.min_new_tokens}")
@@ -95,7 +101,7 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
     out = prompt_token_ids(path=args.prompts, tasks=args.tasks, n=n, seed=args.seed,
                            tokenizer=tokenizer, model_dir=args.model, flag="--prompts")
     if len(out) < n:
-        raise TLTError(f"bench spec: {n} prompts needed for batch {n}, the source has {len(out)}")
+        raise TLTError(f"bench spec: {n} prompts needed (max batch x --prompt-sets), the source has {len(out)}")
     return [(str(pid), ids) for pid, ids in out[:n]]
 
 
@@ -120,31 +126,36 @@ def _counters(engine, decoder) -> dict[str, int]:
 
 def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
          max_new_tokens: int | None = None, profile: bool = False) -> dict:
+    """One timed run: `prompts` is one batch [(id, ids), ...] or a list of such batches,
+    generated one after the other (--prompt-sets) and reported as their totals."""
     from megatron_tlt.rollout import Request, SamplingParams
     new = max_new_tokens or args.max_new_tokens
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_new_tokens=new,
                             min_new_tokens=min(args.min_new_tokens, new))
-    reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
-            for pid, ids in prompts]
+    sets = prompts if prompts and isinstance(prompts[0], list) else [prompts]
     engine.spec_decoder = decoder
     if decoder is not None:
         decoder.metrics.reset()
     before = _counters(engine, decoder)
     prof = cProfile.Profile() if profile else None
-    clock.sync()
-    t0 = time.perf_counter()
-    if prof is not None:
-        prof.enable()
-    results = engine.generate(reqs)
-    if prof is not None:
-        prof.disable()
-    clock.sync()
-    wall = time.perf_counter() - t0
+    wall, results, steps = 0.0, [], 0
+    for batch in sets:
+        reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
+                for pid, ids in batch]
+        clock.sync()
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        results += engine.generate(reqs)
+        if prof is not None:
+            prof.disable()
+        clock.sync()
+        wall += time.perf_counter() - t0
+        steps += len(engine.step_log)
     errors = [r.error for r in results if r.error]
     if errors:
         raise TLTError(f"bench spec: a request failed: {errors[0]}")
     tokens = sum(len(r.token_ids) for r in results)
-    steps = len(engine.step_log)
     after = _counters(engine, decoder)
     row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
            "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),
@@ -205,7 +216,11 @@ def main(args: argparse.Namespace) -> int:
     except TLTError:
         tokenizer = None
     max_b = max(opts.batch_sizes)
-    prompts = _prompts(opts, tokenizer, max_b)
+    prompts = _prompts(opts, tokenizer, max_b * opts.prompt_sets)
+
+    def sets(b: int) -> list[list]:
+        """The --prompt-sets disjoint batches of b prompts a timed run generates."""
+        return [prompts[j * b:(j + 1) * b] for j in range(opts.prompt_sets)]
     strategy = Strategy(depth=opts.spec_depth, topk=opts.spec_topk, num_verify_tokens=opts.spec_num_verify)
     longest = max(len(ids) for _, ids in prompts) + opts.max_new_tokens + strategy.num_draft_nodes + 1
     max_len = min(arch.max_position_embeddings, longest)
@@ -264,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
         for r in range(opts.repeats):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for mode in order:
-                runs[mode].append(_run(engine, decoders.get(mode), prompts[:b], opts,
+                runs[mode].append(_run(engine, decoders.get(mode), sets(b), opts,
                                        f"b{b}-r{r}-{mode}", clock))
         off_tps = statistics.median(x["tokens_per_s"] for x in runs["off"])
         off_len = statistics.mean(x["mean_len"] for x in runs["off"])

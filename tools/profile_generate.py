@@ -82,6 +82,64 @@ def _kernels(engine, decoder, prompts, temperature, new, tag, top) -> str:
     return f"engine steps in this run: {steps}\n{table}"
 
 
+def _trace(engine, decoder, prompts, temperature, new, tag, out_dir, name) -> str:
+    """A gzipped chrome trace of one short generate (NVTX-free: the SD phases show as the
+    record_function ranges spec/draft, spec/verify_forward, ...)."""
+    import gzip
+    import os
+    import shutil
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    engine.spec_decoder = decoder
+    _wall(engine, decoder, prompts, temperature, new, tag + "-warm")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _wall(engine, decoder, prompts, temperature, new, tag)
+    raw = os.path.join(out_dir, name + ".json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(raw)
+    return raw + ".gz"
+
+
+def _replay_ms(fn, n: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def _spec_graph_replays(engine, decoder, b: int) -> dict[str, float]:
+    """Device ms of each speculative-step graph alone, replayed back to back at this batch
+    size's buckets (its inputs are whatever the last step left; every write goes to
+    positions of finished sequences): the chain drafter, the verify forward and the
+    verification math. The SD step's wall minus their sum is host work and syncs."""
+    out: dict[str, float] = {}
+    cg = getattr(decoder.drafter, "_chain_graphs", None)
+    if cg is not None:
+        from megatron_tlt.spec.eagle_graph import BUCKETS
+        cb = next(x for x in BUCKETS if x >= b)
+        for key, (graph, _) in cg._graphs.items():
+            if key[0] == cb and graph is not None:
+                out[f"draft_chain_depth{key[1]}"] = _replay_ms(graph.replay)
+    runner = engine.decode_runner
+    vb = runner.bucket_for(b)
+    for (bucket, q), (graph, _) in runner._vgraphs.items():
+        if bucket == vb:
+            out[f"verify_forward_q{q}"] = _replay_ms(graph.replay)
+    math = decoder._math
+    if math is not None:
+        mb = 1 << max(0, (b - 1).bit_length())  # VerifyMath's power-of-two bucket
+        for key, graph in math._graphs.items():
+            if key[1] == mb:
+                out[f"verify_math_{key[0]}_q{key[2]}"] = _replay_ms(graph.replay)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
@@ -90,6 +148,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--json", default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace-dir", default=None,
+                   help="also write a gzipped chrome trace (torch.profiler, CUDA) of one short "
+                        "run per mode and batch size there, for timeline analysis "
+                        "(tools/trace_gaps.py summarises device idle time per phase)")
     p.add_argument("--kernels", action="store_true",
                    help="also run torch.profiler over one run per mode and batch size (CUDA): "
                         "the top device kernels by total time, with calls per engine step")
@@ -142,6 +204,9 @@ def main() -> None:
             row[f"{mode}_cprofile"] = _top(prof, a.top)
             if a.kernels and dev.type == "cuda":
                 row[f"{mode}_kernels"] = _kernels(engine, dec, ps, a.temperature, long_, f"k-{mode}-{b}", a.top)
+            if a.trace_dir and dev.type == "cuda" and dec is not None:
+                row[f"{mode}_trace"] = _trace(engine, dec, ps, a.temperature, short * 3,
+                                              f"tr-{mode}-{b}", a.trace_dir, f"trace_{mode}_b{b}")
         # graph replay alone at this bucket (the decode forward without host work)
         runner = engine.decode_runner
         if runner is None:  # CPU: no graph path
@@ -156,6 +221,7 @@ def main() -> None:
             runner.run(bucket)
         _sync()
         row["graph_replay_ms"] = 1e3 * (time.perf_counter() - t0) / 50
+        row["eagle_graph_replay_ms"] = _spec_graph_replays(engine, decoder, b)
         report["results"].append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("cprofile")}), flush=True)
         for k in ("off_cprofile", "eagle_cprofile", "off_kernels", "eagle_kernels"):

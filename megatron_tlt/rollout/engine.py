@@ -36,6 +36,7 @@ import torch
 from megatron_tlt.errors import ConfigError, TLTError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.attention import AttentionMetadata, make_backend
+from megatron_tlt.rollout.host import int64_tensor
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
@@ -526,7 +527,7 @@ class RolloutEngine:
         for t in tables:
             flat += t
             flat += [0] * (width - len(t))
-        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        buf = int64_tensor(flat).to(self.device)
         h, n = len(head), len(slots)
         parts = buf[h:].split([n, b + 1, b, b * width])
         return AttentionMetadata(slot_mapping=parts[0], query_start=parts[1], context_lens=parts[2],

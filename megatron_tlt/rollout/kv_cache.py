@@ -103,6 +103,9 @@ class PagedKVCache:
         """Grow `seq_id`'s table to hold `num_tokens` entries; False (and no change) if the
         pool is short."""
         self._check_awake()
+        table = self._tables.get(seq_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return True  # already held (the usual case: every step asks for every sequence)
         need = self.extra_blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
             return False

@@ -210,14 +210,20 @@ class SpecDecoder:
 
     @contextlib.contextmanager
     def _phase(self, name: str, device):
+        # Under torch.profiler the phase is a "spec/<name>" range in the trace
+        # (tools/trace_gaps.py reads device idle time per phase from it).
+        label = (torch.profiler.record_function(f"spec/{name}")
+                 if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext())
         if self.timings is None:
-            yield
+            with label:
+                yield
             return
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         try:
-            yield
+            with label:
+                yield
         finally:
             sync()
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
@@ -368,10 +374,9 @@ class SpecDecoder:
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))
                 width, gidx = batch.max_depth + 1, None
-        paths = []
-        for b in range(bsz):
-            acc = int(host_rows[b][width])
-            paths.append([int(x) for x in host_rows[b][:acc + 1]])
+        paths = []  # accepted nodes (host rows are floats: one int() per value read)
+        for row in host_rows:
+            paths.append(list(map(int, row[:int(row[width]) + 1])))
         feature = self.drafter.feature
         kinds = {k for k in [feature] + [s.request.return_hidden_states for s in seqs] if k is not None}
         picked, offs = {}, [b * width for b in range(bsz)]
@@ -391,7 +396,7 @@ class SpecDecoder:
             path = paths[b]
             acc = len(path) - 1
             row = host_rows[b]
-            toks = [int(x) for x in row[width + 1:width + 2 + acc]]
+            toks = list(map(int, row[width + 1:width + 2 + acc]))
             lp_b = row[2 * width + 1:3 * width + 1]
             plp_b = row[3 * width + 1:4 * width + 1]
             root_pos = len(s.token_ids) - 1

@@ -23,16 +23,27 @@ same capacity. They are NOT the bits of the former per-sequence attention over e
 len keys: CPU BLAS picks its kernel and reduction blocking from the key count (measured:
 q @ k^T, the softmax sum and p @ v over len keys differ in the last ulp from the same
 over len + zero-padded keys), so no padded, batched form can reproduce them.
+Chain levels on CUDA (`attend_one`) use the engine's Triton paged decode kernel instead,
+each slot one page: it reads keys 0..last only, so it too is independent of the batch.
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 
 import torch
 
+from megatron_tlt.rollout.sampling import has_triton
+
 QUERY_TILE = 16
 """Query rows per tile in batched extends (a sequence's pending pairs, padded)."""
+
+
+def paged_levels(q: torch.Tensor) -> bool:
+    """Whether chain levels attend with the Triton paged kernel (SlotKV.attend_one): CUDA
+    queries, Triton present, MEGATRON_TLT_DRAFT_PAGED_ATTN not 0."""
+    return q.is_cuda and os.environ.get("MEGATRON_TLT_DRAFT_PAGED_ATTN", "1") != "0" and has_triton()
 
 
 class SlotKV:
@@ -116,7 +127,16 @@ class SlotKV:
         out = torch.matmul(probs, v.transpose(1, 2))  # [N, KVH, Tq*rep, D]
         return out.reshape(n, kvh, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(n, tq, h, d)
 
-    def max_tiles(self, heads: int) -> int:
-        """Query tiles per attend call that keep its temporaries near 2^26 elements."""
-        per_tile = self.capacity * (2 * self.kv_heads * self.head_dim + 2 * QUERY_TILE * heads)
-        return max(1, (1 << 26) // per_tile)
+    def attend_one(self, q: torch.Tensor,  # [N, heads, head_dim]: one query per row, RoPE applied
+                   slots: torch.Tensor,  # [N] int64
+                   last: torch.Tensor,  # [N] int64: the query sees keys 0..last
+                   scale: float) -> torch.Tensor:  # [N, heads, head_dim]
+        """One query per row (a drafted chain level). On CUDA with Triton: the engine's
+        paged decode attention with each slot as one page of `capacity` tokens (one launch
+        instead of ~12 torch ops, reading only keys 0..last; its own flash-style
+        roundings, the same for a row alone or in any batch); elsewhere, or with
+        MEGATRON_TLT_DRAFT_PAGED_ATTN=0, `attend` on a one-row tile."""
+        if paged_levels(q):
+            from megatron_tlt.rollout.triton_attention import paged_attention
+            return paged_attention(q, self.k, self.v, slots[:, None], last + 1, scale=scale)
+        return self.attend(q[:, None], slots, last[:, None], scale)[:, 0]

@@ -45,9 +45,10 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
 from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
-from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV
+from megatron_tlt.spec.drafter_kv import SlotKV
 from megatron_tlt.spec.eagle_graph import ChainGraphs
 from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
+from megatron_tlt.spec.eagle_graph import fused_pick
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -182,8 +183,10 @@ class EagleDrafter(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.batch_invariant = False
         self._fused: dict[str, tuple[tuple, torch.Tensor]] = {}
-        self.fused_products = os.environ.get("MEGATRON_TLT_DRAFTER_FUSED", "0") == "1"
-        """Opt-in (see _fast): not yet run on a GPU, so off unless MEGATRON_TLT_DRAFTER_FUSED=1."""
+        env = os.environ.get("MEGATRON_TLT_DRAFTER_FUSED")
+        self.fused_products: bool | None = None if env is None else env != "0"
+        """The fused products of `_fast`: None (default) on a CUDA drafter, off on CPU (the
+        CPU tests' exact path); True / False force them (MEGATRON_TLT_DRAFTER_FUSED=1 / 0)."""
         self.reset_parameters()
 
     # ---- parameters ---------------------------------------------------------------
@@ -256,9 +259,14 @@ class EagleDrafter(nn.Module):
         RoPE on q and k at once; about 14 launches fewer per layer forward (a depth-4 chain
         runs four). Same math, other roundings: cuBLAS picks its kernel by the product's
         width, so the outputs are within bf16 rounding of the separate products.
-        Opt-in (`fused_products`, MEGATRON_TLT_DRAFTER_FUSED=1) until its GPU test
-        (tests/gpu/test_eagle_graph_gpu.py) has run on a GPU; the CPU tests cover the math."""
-        return self.fused_products and not self.batch_invariant and not torch.is_grad_enabled()
+        On by default on CUDA (`fused_products`): on the H200 its GPU tests passed
+        (tests/gpu/test_eagle_graph_gpu.py, 10 passed) and a depth-4 chain replay took
+        0.79 ms instead of 0.90 at batch 1 (1.21 / 1.28 at batch 32, random 1.5B shape,
+        benchmarks/results/gpu_2026-12-03_session8)."""
+        fused = self.fused_products
+        if fused is None:
+            fused = self.fc.weight.is_cuda
+        return fused and not self.batch_invariant and not torch.is_grad_enabled()
 
     def _fused_weight(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """The row-concatenation of `parts` (weights or biases), cached and refreshed IN
@@ -551,15 +559,14 @@ class EagleProposer(Drafter):
     def _extend(self, seqs, keep_last: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Run every pair whose token is known (t + 1 < len(token_ids)) and whose feature
         was observed, writing its KV into the sequence's slot. All sequences' pairs go
-        through one packed forward; attention runs on tiles of QUERY_TILE pairs of one
-        sequence over its slot (a fixed number of ops unless the tiles exceed the memory
-        budget of one call). Returns, per index into seqs that ran pairs, (f, logits) of
+        through one packed forward of the layer's first half (K/V); then each sequence's
+        last pair alone attends over its slot and runs the rest (a fixed number of ops
+        whatever the batch). Returns, per index into seqs that ran pairs, (f, logits) of
         its last pair. keep_last: leave the newest observed pair for the next propose
         (whose root it is)."""
         d = self.drafter
-        a = d.arch
         toks, pieces, take, pair_idx, slot_of = [], [], [], [], []  # per packed pair
-        tile_slot, tile_lo, dest, last_row = [], [], [], {}  # per query tile; tile row of each pair
+        last_row = {}  # index into seqs -> packed row of its last pair
         base = 0  # rows of torch.cat(pieces) before this sequence's
         for i, s in enumerate(seqs):
             st = self._state(s)
@@ -578,11 +585,6 @@ class EagleProposer(Drafter):
             toks.extend(s.token_ids[lo + 1:hi + 1])
             pair_idx.extend(range(lo, hi))
             slot_of.extend([st.slot] * n)
-            for t0 in range(0, n, QUERY_TILE):
-                row0 = len(tile_slot) * QUERY_TILE
-                dest.extend(range(row0, row0 + min(QUERY_TILE, n - t0)))
-                tile_slot.append(st.slot)
-                tile_lo.append(lo + t0)
             st.num_pairs = hi
             last_row[i] = len(toks) - 1
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -599,21 +601,14 @@ class EagleProposer(Drafter):
         g = d.fuse_features(feats.to(dev, p0.dtype))
         x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
         self.kv.write(idx[1], idx[0], k, v)
-        ntiles = len(tile_slot)
-        tiles = torch.tensor([tile_slot, tile_lo], dtype=torch.int64).to(dev)
-        dest_t = torch.tensor(dest, dtype=torch.int64).to(dev)
-        qt = q.new_zeros(ntiles * QUERY_TILE, a.num_heads, a.head_dim).index_copy_(0, dest_t, q)
-        qt = qt.view(ntiles, QUERY_TILE, a.num_heads, a.head_dim)
-        last = tiles[1][:, None] + torch.arange(QUERY_TILE, device=dev)
-        step = self.kv.max_tiles(a.num_heads)
-        o = torch.cat([self.kv.attend(qt[c:c + step], tiles[0][c:c + step], last[c:c + step], d.scale)
-                       for c in range(0, ntiles, step)]) if ntiles > step else \
-            self.kv.attend(qt, tiles[0], last, d.scale)
-        o = o.reshape(ntiles * QUERY_TILE, a.num_heads, a.head_dim).index_select(0, dest_t)
-        f = d.layer_out(x, o)
+        # Only each sequence's last pair goes on (its (f, logits) are all a proposal uses;
+        # the other pairs' K/V are written above): one query per sequence.
+        rows = torch.tensor(list(last_row.values()), dtype=torch.int64, device=dev)
+        o = self.kv.attend_one(q.index_select(0, rows), idx[1][rows], idx[0][rows], d.scale)
+        f = d.layer_out(x.index_select(0, rows), o)
         lg = d.logits(f)
-        for i, r in last_row.items():
-            out[i] = (f[r], lg[r])
+        for j, i in enumerate(last_row):
+            out[i] = (f[j], lg[j])
         return out
 
     @torch.no_grad()
@@ -685,7 +680,7 @@ class EagleProposer(Drafter):
             # weight exactly 0, and 0 * inf would be NaN); a row whose V was non-finite
             # fails at the next pick via ok_t, as the per-sequence path did.
             self.kv.write(slot_t, idx, k, torch.nan_to_num(v))
-            o = self.kv.attend(q[:, None], slot_t, idx[:, None], d.scale)[:, 0]
+            o = self.kv.attend_one(q, slot_t, idx, d.scale)
             f = d.layer_out(x, o)
             lg = d.logits(f)
             level += 1
@@ -706,22 +701,35 @@ class EagleProposer(Drafter):
         if s_rows:
             lg_s = lg if not g_rows else lg[torch.tensor(s_rows, device=dev)]
             sp = [params[r] for r in s_rows]
-            qd = process_logits(lg_s,
-                                _row_param([float(p.temperature) for p in sp], dev, torch.float32),
-                                _row_param([max(int(p.top_k), 0) for p in sp], dev, torch.int64),
-                                _row_param([float(p.top_p) for p in sp], dev, torch.float32))
             streams = [seqs[cur[r]].rng for r in s_rows]
-            noise = exponential_noise(torch.tensor([s.key for s in streams]),
-                                      torch.tensor([s.take() for s in streams]), qd.shape[-1], dev)
-            tok_s = race_sample(qd, noise)
-            probs = d.scatter_to_target(qd).float()
+            keys = torch.tensor([s.key for s in streams])
+            draws = torch.tensor([s.take() for s in streams])
+            if fused_pick(lg_s, [int(p.top_k) for p in sp], [float(p.top_p) for p in sp]):
+                from megatron_tlt.spec.triton_pick import chain_pick
+                n_s = len(s_rows)
+                probs = torch.zeros(n_s, d.arch.vocab_size, dtype=torch.float32, device=dev)
+                flags = torch.empty(2, n_s, dtype=torch.int64, device=dev)
+                chain_pick(lg_s.float().contiguous(),
+                           torch.tensor([float(p.temperature) for p in sp], dtype=torch.float32).to(dev),
+                           keys.to(dev), draws.to(dev), 0, d.draft_to_target, probs, flags[0], flags[1])
+                tok_s = flags[0]  # target ids already
+            else:
+                qd = process_logits(lg_s,
+                                    _row_param([float(p.temperature) for p in sp], dev, torch.float32),
+                                    _row_param([max(int(p.top_k), 0) for p in sp], dev, torch.int64),
+                                    _row_param([float(p.top_p) for p in sp], dev, torch.float32))
+                noise = exponential_noise(keys, draws, qd.shape[-1], dev)
+                tok_s = d.to_target_ids(race_sample(qd, noise))
+                probs = d.scatter_to_target(qd).float()
             if tok is None:
                 tok = tok_s
             else:
                 tok = torch.empty(len(cur), dtype=torch.int64, device=dev) \
-                    .index_put_((torch.tensor(g_rows, device=dev),), tok) \
+                    .index_put_((torch.tensor(g_rows, device=dev),), d.to_target_ids(tok)) \
                     .index_put_((torch.tensor(s_rows, device=dev),), tok_s)
-        return d.to_target_ids(tok), probs, {cur[r]: j for j, r in enumerate(s_rows)}
+        elif tok is not None:
+            tok = d.to_target_ids(tok)
+        return tok, probs, {cur[r]: j for j, r in enumerate(s_rows)}
 
     def _draft_trees(self, seqs, builders, roots, strategy) -> None:
         """Level by level with per-sequence attention (trees; chains when not batched)."""

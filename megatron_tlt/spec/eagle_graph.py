@@ -7,13 +7,16 @@ gpu_2026-12-02_session4). A graph replays them in one launch.
 
 What one replay computes, for a batch bucket (1, 2, 4, ..., 64 sequences):
 1. extend: each sequence's new pairs (at most QUERY_TILE; in the steady state the
-   tokens accepted at the last step), one query tile per sequence, KV written into its
-   slot, attention over the slot (SlotKV.attend), the drafter layer, the head; the last
-   real pair of the tile is the root;
+   tokens accepted at the last step), one tile per sequence through the first half of the
+   layer, K/V written into its slot; then only the tile's last real pair, the root,
+   attends over the slot (SlotKV.attend_one) and runs the rest of the layer and the head;
 2. the chain: D levels of pick (greedy: argmax of log_softmax; sampled: the race over the
    processed draft distribution with the request's next noise draws, draw number =
    draws taken + level) and, below the last level, one layer forward writing the level's
-   KV at index num_pairs + level;
+   KV at index num_pairs + level. On CUDA a level's attention is the engine's paged decode
+   kernel over the slot (SlotKV.attend_one) and, with top-k and top-p off, a sampled
+   pick is one Triton kernel writing the tokens, flags and distributions in place
+   (spec/triton_pick.py; the eager chain takes both too, so the paths still agree);
 3. outputs in static buffers: tokens and finiteness flags [bucket, 2D] int64 (ONE
    device-to-host copy after the replay) and, for sampled chains, the draft
    distributions scattered to the target vocabulary [bucket, D + 1, vocab] (row 0 zero).
@@ -50,7 +53,8 @@ import time
 
 import torch
 
-from megatron_tlt.rollout.sampling import exponential_noise
+from megatron_tlt.rollout.host import int64_tensor
+from megatron_tlt.rollout.sampling import exponential_noise, has_triton
 from megatron_tlt.spec.drafter_kv import QUERY_TILE
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
@@ -64,6 +68,17 @@ _NCOL = QUERY_TILE + 5
 
 def enabled() -> bool:
     return os.environ.get("MEGATRON_TLT_DRAFT_GRAPHS", "1") != "0"
+
+
+def fused_pick(lg: torch.Tensor, top_ks, top_ps) -> bool:
+    """Whether a sampled chain pick over draft logits lg takes the one-kernel path
+    (spec/triton_pick.py): a CUDA tensor, Triton present, MEGATRON_TLT_FUSED_PICK not 0,
+    and top-k / top-p off for every row (process_logits' rule: top_k <= 0 or >= the
+    draft vocabulary, top_p >= 1)."""
+    if not lg.is_cuda or os.environ.get("MEGATRON_TLT_FUSED_PICK", "1") == "0" or not has_triton():
+        return False
+    v = lg.shape[-1]
+    return all(k <= 0 or k >= v for k in top_ks) and all(p >= 1 for p in top_ps)
 
 
 class ChainGraphs:
@@ -127,6 +142,15 @@ class ChainGraphs:
             }
         return b
 
+    def _probs(self, buf, bucket: int, depth: int) -> torch.Tensor:
+        """[bucket, depth + 1, vocab] float32 draft distributions of the fused pick, zeroed
+        once: the kernel writes only the draft vocabulary's columns of levels 1..depth."""
+        key = f"probs{depth}"
+        if key not in buf:
+            buf[key] = torch.zeros(bucket, depth + 1, self.p.drafter.arch.vocab_size,
+                                   dtype=torch.float32, device=buf["ints"].device)
+        return buf[key]
+
     def _pad(self) -> int:
         """A KV slot no sequence owns: padding sequences write there."""
         if self._pad_slot is None:
@@ -167,15 +191,16 @@ class ChainGraphs:
             dest.extend(range(r * QUERY_TILE, r * QUERY_TILE + n))
             pieces.extend(st.pending)
         host = buf["host"]
-        host.copy_(torch.tensor(rows, dtype=torch.int64))
+        host.numpy()[:] = rows  # converted straight into the pinned buffer
         ints, feats = buf["ints"], buf["feats"]
         ints.copy_(host, non_blocking=True)
         if host.is_pinned():
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
         feats.zero_()
-        feats.index_copy_(0, torch.tensor(dest, dtype=torch.int64).to(feats.device, non_blocking=True),
-                          torch.cat(pieces).to(feats.device, feats.dtype))
+        src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
+        feats.index_copy_(0, int64_tensor(dest).to(feats.device, non_blocking=True),
+                          src.to(feats.device, feats.dtype))
         out = self._run(bucket, depth, setting, buf)
         self.num_steps += 1
         flat = out["ints"][:n_seq].tolist()  # the step's one device-to-host transfer
@@ -184,12 +209,10 @@ class ChainGraphs:
             st.num_pairs = len(s.token_ids) - 1
             st.pending = []
             root = s.token_ids[-1]
-            toks, failed = [], False
-            for lvl in range(min(depth, cap)):
-                if not flat[r][depth + lvl]:
-                    failed = True
-                    break
-                toks.append(flat[r][lvl])
+            levels, row = min(depth, cap), flat[r]
+            finite = row[depth:depth + levels]
+            failed = not all(finite)
+            toks = row[:finite.index(0) if failed else levels]  # up to the first failed level
             if sampled:
                 s.rng.draws += len(toks)
             if failed:
@@ -260,24 +283,30 @@ class ChainGraphs:
         pair = last.reshape(-1)
         x, q, k, v = d.layer_qkv(ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1), feats, pair + 1)
         kv.write(slot[:, None].expand(bucket, QUERY_TILE).reshape(-1), pair, k, v)
-        qt = q.view(bucket, QUERY_TILE, a.num_heads, a.head_dim)
-        step = kv.max_tiles(a.num_heads)
-        o = torch.cat([kv.attend(qt[c:c + step], slot[c:c + step], last[c:c + step], d.scale)
-                       for c in range(0, bucket, step)]) if bucket > step else \
-            kv.attend(qt, slot, last, d.scale)
-        f = d.layer_out(x, o.reshape(bucket * QUERY_TILE, a.num_heads, a.head_dim))
-        lg = d.logits(f)
+        # Only each tile's root (its last real pair) goes on: the other pairs' K/V are all
+        # the chain needs of them (as in the eager extend).
         root = torch.arange(bucket, device=dev) * QUERY_TILE + n - 1
-        f, lg = f.index_select(0, root), lg.index_select(0, root)
         base = lo + n
+        o = kv.attend_one(q.index_select(0, root), slot, base - 1, d.scale)
+        f = d.layer_out(x.index_select(0, root), o)
+        lg = d.logits(f)
         out_ints = torch.zeros(bucket, 2 * depth, dtype=torch.int64, device=dev)
         out = {"ints": out_ints}
         sampled = setting[0] == "sampled"
-        if sampled:
+        pick = sampled and fused_pick(lg, [setting[2]], [setting[3]])
+        if pick:  # one kernel per level (spec/triton_pick.py), writing into static outputs
+            from megatron_tlt.spec.triton_pick import chain_pick
+            out["probs"] = self._probs(buf, bucket, depth)  # zero outside the draft vocabulary
+            temp = torch.full((bucket,), setting[1], dtype=torch.float32, device=dev)
+        elif sampled:
             out["probs"] = torch.zeros(bucket, depth + 1, a.vocab_size, dtype=torch.float32, device=dev)
         ok = None
         for lvl in range(depth):
-            if sampled:
+            if pick:
+                chain_pick(lg, temp, ints[:, _KEY], ints[:, _DRAW], lvl, d.draft_to_target,
+                           out["probs"][:, lvl + 1], out_ints[:, lvl], out_ints[:, depth + lvl], ok)
+                tok = out_ints[:, lvl]
+            elif sampled:
                 _, temp, top_k, top_p = setting
                 qd = process_logits(lg, temp, top_k, top_p)
                 noise = exponential_noise(ints[:, _KEY], ints[:, _DRAW] + lvl, qd.shape[-1], dev)
@@ -285,19 +314,20 @@ class ChainGraphs:
                 out["probs"][:, lvl + 1] = d.scatter_to_target(qd).float()
             else:
                 tok = torch.log_softmax(lg.float(), dim=-1).argmax(-1)  # first max = lowest id
-            finite = torch.isfinite(lg).all(-1)
-            if ok is not None:
-                finite &= ok
-            tok = d.to_target_ids(tok)
-            out_ints[:, lvl] = tok
-            out_ints[:, depth + lvl] = finite.long()
+            if not pick:
+                finite = torch.isfinite(lg).all(-1)
+                if ok is not None:
+                    finite &= ok
+                tok = d.to_target_ids(tok)
+                out_ints[:, lvl] = tok
+                out_ints[:, depth + lvl] = finite.long()
             if lvl == depth - 1:
                 break
             idx = base + lvl
             x, q, k, v = d.layer_qkv(tok, f, idx + 1)
             ok = torch.isfinite(v).flatten(1).all(-1)
             kv.write(slot, idx, k, torch.nan_to_num(v))
-            o = kv.attend(q[:, None], slot, idx[:, None], d.scale)[:, 0]
+            o = kv.attend_one(q, slot, idx, d.scale)
             f = d.layer_out(x, o)
             lg = d.logits(f)
         return out

@@ -25,10 +25,12 @@ Strategy (what the adaptive engine tunes per batch-size bucket):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from megatron_tlt.errors import ConfigError
+from megatron_tlt.rollout.host import int64_tensor
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +114,8 @@ class DraftTree:
 
     def truncate_depth(self, max_depth: int) -> "DraftTree":
         """Drop the nodes deeper than max_depth (renumbering the rest)."""
+        if len(self.tokens) - 1 <= max_depth:
+            return self  # no node is deeper than N - 1
         depths = self.depths()
         keep = [i for i in range(len(self.tokens)) if depths[i] <= max_depth]
         if len(keep) == len(self.tokens):
@@ -198,6 +202,23 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
+@functools.lru_cache(maxsize=1024)
+def _tree_rows(parents: tuple[int, ...], n: int) -> tuple[tuple[int, ...], bytes, int]:
+    """(depths, ancestor mask, depth) of a tree with these parents padded to n nodes, for
+    TreeBatch.pack: depths 0 for padding nodes; the mask as n * n bytes, row-major, byte
+    i * n + j = 1 iff node j is node i or one of its ancestors (padding nodes see only
+    themselves). Cached: the trees of a run come in few shapes (mostly chains of the
+    strategy's depth)."""
+    depth = [0] * n
+    anc = [1 << i for i in range(n)]  # ancestor sets as bit masks (bit j: node j)
+    for i in range(1, len(parents)):
+        p = parents[i]
+        depth[i] = depth[p] + 1
+        anc[i] |= anc[p]
+    mask = bytes((a >> j) & 1 for a in anc for j in range(n))
+    return tuple(depth), mask, max(depth)
+
+
 @dataclasses.dataclass(kw_only=True)
 class TreeBatch:
     """Draft trees of a batch, padded to one N: the inputs of verify_forward and verify."""
@@ -215,37 +236,26 @@ class TreeBatch:
     def pack(cls, trees: list[DraftTree], root_positions: list[int], vocab: int, *,
              probs_out: torch.Tensor | None = None) -> "TreeBatch":
         """Pad the trees to one N. The int tables are built in Python and converted with
-        one torch.tensor call (this runs every speculative step, on the host).
+        one int64_tensor call (this runs every speculative step, on the host); a tree's
+        depths and ancestor mask depend on its parents only (`_tree_rows`, cached).
 
         probs_out: optional [B', N, vocab] float32 buffer (B' >= B; e.g. the static input of
         a CUDA graph) that receives the draft probabilities; batch.draft_probs is then its
         first B rows. Without it they are allocated on the drafter's device."""
         n = max(len(t.tokens) for t in trees)
-        par_rows, tok_rows, pos_rows, anc_rows, depth_max = [], [], [], [], 0
-        bits = n <= 63  # ancestor sets as int64 bit masks (bit j: node j); else ancestor_mask
+        par_rows, tok_rows, pos_rows, masks, depth_max = [], [], [], [], 0
         for t, root in zip(trees, root_positions):
-            k = len(t.tokens)
-            parents = t.parents
-            depth = [0] * n
-            anc = [1 << i for i in range(n)] if bits else None
-            for i in range(1, k):
-                p = parents[i]
-                depth[i] = depth[p] + 1
-                if bits:
-                    anc[i] |= anc[p]
-            pad = [-1] * (n - k)
-            par_rows.append(parents + pad)
+            depth, mask, tree_depth = _tree_rows(tuple(t.parents), n)
+            pad = [-1] * (n - len(t.tokens))
+            par_rows.append(t.parents + pad)
             tok_rows.append(t.tokens + pad)
             pos_rows.append([root + d for d in depth])  # padding nodes: the root's position
-            anc_rows.append(anc if bits else [0] * n)
-            depth_max = max(depth_max, max(depth))
-        table = torch.tensor([par_rows, tok_rows, pos_rows, anc_rows], dtype=torch.int64)
+            masks.append(mask)
+            depth_max = max(depth_max, tree_depth)
+        table = int64_tensor([par_rows, tok_rows, pos_rows])
         parents, tokens, positions = table[0], table[1], table[2]
-        if bits:
-            shifts = torch.arange(n, dtype=torch.int64)
-            mask = ((table[3][:, :, None] >> shifts) & 1).bool()  # [B, N, N]: j in anc(i)
-        else:
-            mask = ancestor_mask(parents)
+        # [B, N, N]: j in anc(i), from the trees' mask bytes (bool storage is one 0/1 byte)
+        mask = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.bool).view(len(trees), n, n)
         return cls(parents=parents, draft_tokens=tokens, query_tokens=tokens.clamp(min=0),
                    positions=positions, tree_mask=mask,
                    draft_probs=cls._pack_draft_probs(trees, tokens, vocab, probs_out),

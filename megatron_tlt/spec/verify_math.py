@@ -21,6 +21,7 @@ bit (tests/gpu/test_spec_gpu.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 import time
@@ -50,6 +51,11 @@ _NCOL = 5
 def _f64_bits(x: float) -> int:
     """The IEEE float64 bits of x as a signed int64 (read back on the device with .view)."""
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+# _f64_bits of a sampled row's temperature, per value (a run has few): the cache keys by
+# ==, which would confuse 0.0 with -0.0, but sampled temperatures are > 0.
+_temperature_bits = functools.lru_cache(maxsize=256)(_f64_bits)
 
 
 def sampled_probs(logits: torch.Tensor,  # [B, Q, vocab]
@@ -203,8 +209,9 @@ class VerifyMath:
         return st
 
     def _load(self, plan: FastPlan, seqs, trees: list[DraftTree]) -> None:
-        """The per-row int table, built in Python, host -> device in one copy. Sampled rows
-        take their two draws here, coins first (the order of the general path)."""
+        """The per-row int table, built in Python, host -> device in one copy (on CPU written
+        into the static table itself). Sampled rows take their two draws here, coins first
+        (the order of the general path)."""
         st = self._small(plan.bucket, plan.q)
         q, sampled = plan.q, plan.mode != "greedy"
         one = _f64_bits(1.0)
@@ -214,19 +221,19 @@ class VerifyMath:
             pad = [-1] * (q - k)
             if sampled:
                 rng = s.rng
-                tail = [rng.key, rng.take(), rng.take(), _f64_bits(s.request.sampling_params.temperature), k]
+                temp = _temperature_bits(s.request.sampling_params.temperature)
+                tail = [rng.key, rng.take(), rng.take(), temp, k]
             else:
                 tail = [0, 0, 0, one, k]
             rows.append(t.parents + pad + t.tokens + pad + tail)
         rows.extend([st["pad"]] * (plan.bucket - plan.batch))
-        table = torch.tensor(rows, dtype=torch.int64)
         if self.device.type == "cuda":
             # Reusing the pinned buffer is safe: the previous step's copy out of it finished
             # before that step's blocking device-to-host copy of the outputs returned.
-            st["host"].copy_(table)
+            st["host"].numpy()[:] = rows  # converted straight into the buffer
             st["ints"].copy_(st["host"], non_blocking=True)
         else:
-            st["ints"].copy_(table)
+            st["ints"].numpy()[:] = rows
 
     def _source(self, plan: FastPlan, logits: torch.Tensor,  # [B * Q, vocab]
                 ) -> tuple[torch.Tensor, int | None]:
@@ -317,6 +324,7 @@ class VerifyMath:
         if mode == "greedy":
             verify_tree_greedy(parents, tokens, logits, max_depth=q - 1, out=out, validate=False,
                                impl=self.impl)
+            scaled = logits  # T = 1, and x / 1 == x exactly
         else:
             keys = col[:, _KEY]
             temp = col[:, _TEMP].view(torch.float64).float()  # as torch.tensor(float32) rounds
@@ -328,17 +336,21 @@ class VerifyMath:
             coins = uniform_noise(keys, col[:, _COIN_DRAW], q, dev)
             coins = torch.where(st["cols"] < col[:, _NODES, None], coins, 0.5)  # unused ones: 0.5
             noise = exponential_noise(keys, col[:, _NOISE_DRAW], self.vocab, dev)
-            probs = sampled_probs(logits, temp)
+            # sampled_probs' ops, with the quotient kept for the logprobs below
+            scaled = logits.float() / temp[:, None, None]
+            probs = torch.softmax(scaled, dim=-1)
+            probs = probs / probs.sum(-1, keepdim=True)
             dp = self._big("_dp", bucket, q) if mode == "sampled" else None
             verify_tree_rejection(parents, tokens, probs, dp, coins, noise, max_depth=q - 1, out=out,
                                   validate=False, impl=self.impl)
         node = out.accept_index.clamp(min=0)
         tok = out.output_tokens.clamp(min=0)
         rows = st["rows"]
-        x = logits[rows, node]  # [bucket, Q, vocab]
-        if mode != "greedy":  # greedy: T = 1, and x / 1 == x exactly
-            x = x / temp[:, None, None]
-        lp = torch.log_softmax(x, dim=-1).gather(-1, tok[:, :, None])[:, :, 0]
+        # The general path takes log_softmax(logits[rows, node] / T); log_softmax works row
+        # by row (its reductions depend only on the row length), so taking it over every
+        # row of the quotient and then picking [rows, node, tok] gives the same bits
+        # without a [bucket, Q, vocab] gather and a second division.
+        lp = torch.log_softmax(scaled, dim=-1)[rows, node, tok]
         plp = st["zeros"] if mode == "greedy" else probs[rows, node, tok].log().double()
         torch.cat([out.accept_index.double(), out.accept_length[:, None].double(),
                    out.output_tokens.double(), lp.double(), plp], 1, out=st["out"])

@@ -110,7 +110,7 @@ def test_drafter_fast_products_and_norms_match_the_invariant_path(model_dir):
     feats = torch.randn(20, d.arch.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
     pos = torch.arange(1, 21, device="cuda")
     out = {}
-    d.fused_products = True  # opt-in path under test (MEGATRON_TLT_DRAFTER_FUSED=1)
+    d.fused_products = None  # the default on CUDA: the fused path
     with torch.no_grad():  # rollout: the fused QKV / gate-up products and joint RoPE
         for inv in (True, False):
             d.batch_invariant = inv

@@ -82,10 +82,33 @@ def test_bench_spec_fixed_length(tmp_path):
     assert lens[False]["off_mean"] < 24  # the sort answers end before 24 tokens
 
 
+def test_bench_spec_prompt_sets(tmp_path):
+    """--prompt-sets 3 at batch 2: a timed run generates 3 disjoint batches one after the
+    other and reports their totals (6 responses of a fixed 10 tokens); the default run
+    generates one batch (control)."""
+    runs = {}
+    for n in (1, 3):
+        path = tmp_path / f"sets{n}.json"
+        assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                     "--batch-sizes", "2", "--max-new-tokens", "10", "--min-new-tokens", "10",
+                     "--tasks", "sort", "--device", "cpu", "--breakdown-tokens", "0",
+                     "--prompt-sets", str(n)]) == 0
+        report = json.loads(path.read_text())
+        assert report["settings"]["prompt_sets"] == n
+        runs[n] = {r["mode"]: r["repeats"][0] for r in report["results"]}
+    for mode in ("off", "ngram"):
+        assert runs[1][mode]["tokens"] == 2 * 10 and runs[3][mode]["tokens"] == 6 * 10
+        assert runs[3][mode]["mean_len"] == 10.0
+        assert runs[3][mode]["steps"] > runs[1][mode]["steps"]
+    assert runs[3]["ngram"]["num_drafts"] > runs[1]["ngram"]["num_drafts"]
+
+
 def test_bench_spec_bad_input(capsys):
     assert main(["bench", "spec", "--model", TINY, "--drafters", "eagle", "--device", "cpu"]) == 2
     assert "--drafters eagle needs --drafter DIR" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", TINY, "--drafters", "medusa", "--device", "cpu"]) == 2
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
+                 "--prompt-sets", "0"]) == 2
     assert "--drafters takes eagle and/or ngram" in capsys.readouterr().err

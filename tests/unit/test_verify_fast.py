@@ -426,7 +426,7 @@ def _random_tree(g, n, vocab, probs: bool) -> DraftTree:
     ([5, 5, 5], [True] * 3),  # sampled chains of one length: one torch.stack
     ([5, 3, 5, 1 + 1], [True, True, False, True]),  # mixed lengths and one-hot rows
     ([4, 6], [False, False]),  # no draft_probs
-    ([70, 12, 64], [True, False, False]),  # > 63 nodes: ancestor_mask instead of bit masks
+    ([70, 12, 64], [True, False, False]),  # > 63 nodes (the old pack: ancestor_mask, not int64 bit masks)
 ])
 def test_pack_equals_previous_pack(sizes, with_probs):
     g = torch.Generator().manual_seed(sum(sizes))

@@ -1,7 +1,7 @@
 """The EAGLE drafter's fused path (one QKV and one gate/up product, RoPE on q and k at once),
-taken, when enabled (MEGATRON_TLT_DRAFTER_FUSED=1; off by default until its GPU test has
-run), where the drafter is neither batch-invariant nor being trained (rollout on a CUDA
-engine). On CPU in float32: the fused path against the reference path; the joint RoPE
+taken where the drafter is neither batch-invariant nor being trained (rollout on a CUDA
+engine: on by default for a CUDA drafter, off on CPU unless forced with
+MEGATRON_TLT_DRAFTER_FUSED=1 or fused_products=True). On CPU in float32: the fused path against the reference path; the joint RoPE
 bit for bit against apply_rope; the cached fused weights follow in-place updates at the
 same address; training (grad enabled) never takes the fused path."""
 
@@ -22,7 +22,7 @@ def _drafter(family: str, seed: int = 0) -> EagleDrafter:
     head = torch.randn(97, 64, generator=g)
     d = EagleDrafter(DrafterConfig(arch=arch), embed, head)
     d.reset_parameters(seed=seed, std=0.2)
-    d.fused_products = True  # opt-in (MEGATRON_TLT_DRAFTER_FUSED=1)
+    d.fused_products = True  # forced on, as MEGATRON_TLT_DRAFTER_FUSED=1 does on CPU
     with torch.no_grad():
         for name, p in d.named_parameters():
             if name.endswith(".bias") or name.endswith("norm.weight"):
@@ -90,14 +90,20 @@ def test_fused_weights_follow_in_place_updates_at_the_same_address():
     torch.testing.assert_close(k_fused, k_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_path_is_opt_in():
+def test_fused_path_is_off_on_cpu_by_default(monkeypatch):
+    monkeypatch.delenv("MEGATRON_TLT_DRAFTER_FUSED", raising=False)
     d = _drafter("llama")
-    d.fused_products = False  # the default without MEGATRON_TLT_DRAFTER_FUSED=1
+    d.fused_products = EagleDrafter(d.config, d.target_embed, d.target_lm_head).fused_products
+    assert d.fused_products is None  # auto: on for a CUDA drafter only
     d.batch_invariant = False
     with torch.no_grad():
         d.layer_qkv(*_inputs(d))
         d.refresh_fused()
     assert not d._fused
+    monkeypatch.setenv("MEGATRON_TLT_DRAFTER_FUSED", "0")
+    assert EagleDrafter(d.config, d.target_embed, d.target_lm_head).fused_products is False
+    monkeypatch.setenv("MEGATRON_TLT_DRAFTER_FUSED", "1")
+    assert EagleDrafter(d.config, d.target_embed, d.target_lm_head).fused_products is True
 
 
 def test_training_never_takes_the_fused_path():

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# EAGLE speed sweep on one H200 (speculative-decoding issue): drafter recipes x chain depths,
+# each `bench spec` run measuring plain decoding and EAGLE side by side at T=0.9.
+#   bash scripts/h200_spec_sweep.sh OUT_DIR [RESULTS_DIR]
+# Needs the benchmark-scale target at OUT_DIR/sft/hf (`STOP_AFTER=target bash
+# scripts/h200_rl_step.sh OUT_DIR 120`). Every stage is skipped when its output exists, so
+# a call cut by a time limit is resumed by running the script again on the same machine.
+# RESULTS_DIR (e.g. the device tool's $OUT) receives each JSON and log as soon as it exists.
+#
+# SWEEP_DRAFTERS (default "greedy128 t09x512"):
+#   greedy128  session 7's recipe: 128 prompts (seed 0), greedy responses, 60 steps;
+#              its prompts are bench spec's (also seed 0), so its acceptance is optimistic
+#   t09x512    512 prompts (seed 1: not bench spec's) x 2 responses sampled at T=0.9 (the
+#              benchmark's temperature), 240 steps
+# SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
+# SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
+set -euo pipefail
+OUT=${1:?usage: h200_spec_sweep.sh OUT_DIR [RESULTS_DIR]}
+RESULTS=${2:-}
+PY=${PYTHON:-python3}
+keep() { [ -n "$RESULTS" ] && mkdir -p "$RESULTS" && cp "$@" "$RESULTS"/ 2>/dev/null; true; }
+[ -f "$OUT/sft/hf/config.json" ] || { echo "no target at $OUT/sft/hf (run h200_rl_step.sh first)"; exit 2; }
+t0=$(date +%s)
+recipe() {
+  case "$1" in
+    greedy128) echo "--num-prompts 128 --temperature 0 --steps 60 --seed 0 --max-new-tokens 192" ;;
+    t09x512) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256" ;;
+    *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
+  esac
+}
+for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
+  dir="$OUT/drafter_$d"
+  if [ ! -f "$dir/config.json" ]; then
+    echo "[spec_sweep] drafter $d: $(recipe "$d")"
+    # shellcheck disable=SC2046
+    $PY -m megatron_tlt.spec.train_drafter --target "$OUT/sft/hf" --tasks arith,sort \
+        --draft-vocab 128 --batch-tokens 4096 $(recipe "$d") --out "$dir" --no-progress \
+        2>&1 | tail -n 4 | tee "$OUT/drafter_$d.log"
+    keep "$OUT/drafter_$d.log"
+    echo "[spec_sweep] drafter $d done at $(( $(date +%s) - t0 )) s"
+  fi
+done
+for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
+  for k in ${SWEEP_DEPTHS:-4 6}; do
+    json="$OUT/bench_spec_${d}_depth$k.json"
+    [ -f "$json" ] && continue
+    echo "[spec_sweep] bench spec: drafter $d, depth $k"
+    $PY -m megatron_tlt bench spec --json "$json" --model "$OUT/sft/hf" --drafter "$OUT/drafter_$d" \
+        --drafters eagle --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
+        --max-new-tokens 256 --min-new-tokens 256 --tasks arith,sort --spec-depth "$k" \
+        --prompt-sets "${SWEEP_PROMPT_SETS:-4}" 2>&1 | grep -E "^B=|wrote|Error|error" | tee "$OUT/bench_spec_${d}_depth$k.log"
+    keep "$json" "$OUT/bench_spec_${d}_depth$k.log"
+    echo "[spec_sweep] bench $d depth $k done at $(( $(date +%s) - t0 )) s"
+  done
+done
+echo "[spec_sweep] done in $(( $(date +%s) - t0 )) s"
