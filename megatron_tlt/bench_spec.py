@@ -54,7 +54,13 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "until then; --min-new-tokens = --max-new-tokens fixes the length), so "
                         "the modes, whose sampled texts differ, compare at equal lengths: "
                         "with few prompts a short plain response carries its prefill over few "
-                        "tokens and flatters SD's tokens/s")
+                        "tokens and flatters SD's tokens/s. While the ban holds, SD verifies on "
+                        "its general path (slower); --ignore-eos fixes lengths without it")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="no stop tokens: every response runs to --max-new-tokens (equal lengths, "
+                        "as vLLM's benchmarks do) without --min-new-tokens' ban of the stop ids, "
+                        "which sends verification to the general path (slower: the fast path "
+                        "has no ban)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", default="arith,sort", help="built-in synthetic tasks for the prompts")
     src.add_argument("--prompts", default=None, help="prompts JSONL (prompt or prompt_token_ids)")
@@ -228,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
     engine = RolloutEngine(arch, weights, max_num_seqs=max_b, block_size=bs,
                            num_blocks=max_b * -(-longest // bs) + 8, dtype=weights.dtype,
                            device=device, max_model_len=max_len,
-                           eos_token_ids=_eos_ids(opts.model, tokenizer), seed=opts.seed,
+                           eos_token_ids=() if opts.ignore_eos else _eos_ids(opts.model, tokenizer),
+                           seed=opts.seed,
                            **fast_path_options(device))
     decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name, strategy, arch, weights)
                 for name in opts.drafter_names}
@@ -300,7 +307,7 @@ def main(args: argparse.Namespace) -> int:
             if row.get("length_mismatch"):
                 print(f"B={b:>3} {mode:>5}: WARNING mean length {row['mean_len']:.1f} vs plain "
                       f"{off_len:.1f}: tokens/s carry prefill differently, the speedup is not "
-                      f"comparable (use --min-new-tokens {opts.max_new_tokens})", flush=True)
+                      f"comparable (use --ignore-eos)", flush=True)
         if b in opts.profile_batch_sizes:
             for mode in runs:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)

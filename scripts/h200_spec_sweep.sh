@@ -47,7 +47,7 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
     echo "[spec_sweep] bench spec: drafter $d, depth $k"
     $PY -m megatron_tlt bench spec --json "$json" --model "$OUT/sft/hf" --drafter "$OUT/drafter_$d" \
         --drafters eagle --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
-        --max-new-tokens 256 --min-new-tokens 256 --tasks arith,sort --spec-depth "$k" \
+        --max-new-tokens 256 --ignore-eos --tasks arith,sort --spec-depth "$k" \
         --prompt-sets "${SWEEP_PROMPT_SETS:-4}" 2>&1 | grep -E "^B=|wrote|Error|error" | tee "$OUT/bench_spec_${d}_depth$k.log"
     keep "$json" "$OUT/bench_spec_${d}_depth$k.log"
     echo "[spec_sweep] bench $d depth $k done at $(( $(date +%s) - t0 )) s"

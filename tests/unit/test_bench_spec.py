@@ -59,8 +59,8 @@ def test_bench_spec_cpu(tmp_path, capsys):
 
 
 def test_bench_spec_fixed_length(tmp_path):
-    """--min-new-tokens = --max-new-tokens: every mode's responses have exactly that length
-    (the tiny default stops early without it: control)."""
+    """--min-new-tokens = --max-new-tokens, or --ignore-eos: every mode's responses have
+    exactly that length (the tiny default stops early without either: control)."""
     lens = {}
     for flag in ([], ["--min-new-tokens", "24"]):
         path = tmp_path / f"spec{len(flag)}.json"
@@ -72,6 +72,14 @@ def test_bench_spec_fixed_length(tmp_path):
         lens[bool(flag)] = {r["mode"]: r["repeats"][0]["max_len"] for r in report["results"]} | \
             {r["mode"] + "_mean": r["mean_len"] for r in report["results"]}
     assert lens[True] == {"off": 24, "ngram": 24, "off_mean": 24.0, "ngram_mean": 24.0}
+    path = tmp_path / "spec_ignore_eos.json"  # --ignore-eos: the same fixed length, no ban
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                 "--batch-sizes", "4", "--max-new-tokens", "24", "--tasks", "sort",
+                 "--device", "cpu", "--breakdown-tokens", "0", "--ignore-eos"]) == 0
+    report = json.loads(path.read_text())
+    assert report["settings"]["ignore_eos"] is True
+    assert {r["mode"]: (r["repeats"][0]["max_len"], r["mean_len"]) for r in report["results"]} == \
+        {"off": (24, 24.0), "ngram": (24, 24.0)}
     free = json.loads((tmp_path / "spec0.json").read_text())["results"]
     off_mean = next(r["mean_len"] for r in free if r["mode"] == "off")
     for r in free:
