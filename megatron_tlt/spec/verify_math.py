@@ -2,13 +2,14 @@
 megatron_tlt.spec.decode uses it).
 
 When every row of the step is greedy, or every row
-is sampled with temperature > 0, top-k and top-p off, and no min_new_tokens ban applies
-(`_ban` would be a no-op), the math after the verify forward runs on static buffers at a
-padded batch (a power of two, <= MATH_MAX_BATCH, bucket x Q <= MATH_MAX_ROWS): one pinned
-non-blocking copy of the per-row int table (tree, noise stream keys and draw numbers,
-temperature, node count), the noise drawn on the device, the verify op, the logprobs, the
-outputs packed into one buffer and ONE device-to-host copy. On CUDA the math is one graph
-replay per step (a graph per (bucket, Q, mode), captured lazily into one memory pool);
+is sampled with temperature > 0 and top-k and top-p off, the math after the verify
+forward runs on static buffers at a padded batch (a power of two, <= MATH_MAX_BATCH,
+bucket x Q <= MATH_MAX_ROWS): one pinned non-blocking copy of the per-row int table (tree,
+noise stream keys and draw numbers, temperature, node count; while a min_new_tokens ban
+holds, a second table of the stop ids banned at each node, <= MATH_MAX_BAN), the noise
+drawn on the device, the verify op, the logprobs, the outputs packed into one buffer and
+ONE device-to-host copy. On CUDA the math is one graph replay per step (a graph per
+(mode, bucket, Q, ban columns), captured lazily into one memory pool);
 `MEGATRON_TLT_VERIFY_MATH_GRAPHS=0` turns the graphs off (the same math then runs eagerly
 on the same buffers and shapes; read when the SpecDecoder is built). Other steps take the
 general path (`_verify_general`). The two compute the same function: bit for bit on CPU
@@ -39,6 +40,8 @@ MATH_MAX_BATCH = 64
 MATH_MAX_ROWS = 512
 """Largest bucket x Q of the fast path: its static logits and draft-probability buffers hold
 this many vocabulary rows each (311 MB each at a 151,936 vocabulary)."""
+MATH_MAX_BAN = 16
+"""Most stop ids a node may have banned (min_new_tokens) on the fast path."""
 GRAPHS_ENV = "MEGATRON_TLT_VERIFY_MATH_GRAPHS"
 
 # Columns of the fast path's per-row int table after the tree (parents [0, Q), draft
@@ -80,6 +83,8 @@ class FastPlan:
     """batch padded to a power of two."""
     q: int
     """query rows (tree nodes) per sequence."""
+    ban: int = 0
+    """stop ids banned per node (min_new_tokens): columns of the ban table; 0: no ban."""
 
 
 def canonical_device(device: torch.device | str) -> torch.device:
@@ -123,7 +128,7 @@ class VerifyMath:
         self._rows = 0  # vocabulary rows the big buffers hold
         self._logits: torch.Tensor | None = None  # [rows * vocab] float32
         self._dp: torch.Tensor | None = None  # [rows * vocab] float32
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, bucket, Q, source ptr)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (mode, bucket, Q, source ptr, ban)
         self._in_place: dict[tuple[str, int, int], int] = {}  # (mode, bucket, Q) -> ptr
         self._in_place_miss: dict[tuple[str, int, int], int] = {}  # the last other ptr seen
         self._pool = None
@@ -143,12 +148,11 @@ class VerifyMath:
         q = max(len(t.tokens) for t in trees)
         if bucket * q > MATH_MAX_ROWS:
             return None
-        greedy = 0
+        greedy = ban = 0
         for s in seqs:
-            # banned_ids(n) is empty for every n >= min_new_tokens: none at the root's output
-            # position means none at any node (`_ban` would be a no-op).
-            if s.stop.banned_ids(len(s.token_ids) - s.prompt_len):
-                return None
+            # banned_ids(n) is empty for every n >= min_new_tokens and the same set below:
+            # the root's output position has the most any node has.
+            ban = max(ban, len(s.stop.banned_ids(len(s.token_ids) - s.prompt_len)))
             p = s.request.sampling_params
             if p.temperature <= 0:
                 greedy += 1
@@ -160,7 +164,9 @@ class VerifyMath:
             mode = "sampled" if any(t.draft_probs is not None for t in trees) else "one_hot"
         else:
             return None
-        return FastPlan(mode=mode, batch=b, bucket=bucket, q=q)
+        if ban > MATH_MAX_BAN:
+            return None
+        return FastPlan(mode=mode, batch=b, bucket=bucket, q=q, ban=ban)
 
     # ---- buffers ----------------------------------------------------------------------
 
@@ -227,6 +233,8 @@ class VerifyMath:
                 tail = [0, 0, 0, one, k]
             rows.append(t.parents + pad + t.tokens + pad + tail)
         rows.extend([st["pad"]] * (plan.bucket - plan.batch))
+        if plan.ban:
+            self._load_ban(plan, seqs, trees)
         if self.device.type == "cuda":
             # Reusing the pinned buffer is safe: the previous step's copy out of it finished
             # before that step's blocking device-to-host copy of the outputs returned.
@@ -234,6 +242,33 @@ class VerifyMath:
             st["ints"].copy_(st["host"], non_blocking=True)
         else:
             st["ints"].numpy()[:] = rows
+
+    def _ban_table(self, bucket: int, q: int, k: int) -> dict:
+        """Static [bucket, Q, k] stop ids banned at each node (-1: none) and its pinned
+        host twin."""
+        st = self._small(bucket, q)
+        if f"ban{k}" not in st:
+            st[f"ban{k}"] = torch.full((bucket, q, k), -1, dtype=torch.int64, device=self.device)
+            st[f"ban_host{k}"] = torch.full((bucket, q, k), -1, dtype=torch.int64,
+                                            pin_memory=self.device.type == "cuda")
+        return st
+
+    def _load_ban(self, plan: FastPlan, seqs, trees: list[DraftTree]) -> None:
+        """The general path's `_ban` as a table: node i of sequence b (depth d) bans
+        stop.banned_ids(outputs so far + d), sorted; padding nodes and rows ban nothing."""
+        k = plan.ban
+        st = self._ban_table(plan.bucket, plan.q, k)
+        host = st[f"ban_host{k}"]
+        h = host.numpy()
+        h.fill(-1)
+        for b, (s, t) in enumerate(zip(seqs, trees)):
+            n_out = len(s.token_ids) - s.prompt_len
+            if not s.stop.banned_ids(n_out):
+                continue
+            for i, d in enumerate(t.depths()):
+                ids = sorted(s.stop.banned_ids(n_out + d))
+                h[b, i, :len(ids)] = ids
+        st[f"ban{k}"].copy_(host, non_blocking=self.device.type == "cuda")
 
     def _source(self, plan: FastPlan, logits: torch.Tensor,  # [B * Q, vocab]
                 ) -> tuple[torch.Tensor, int | None]:
@@ -264,7 +299,8 @@ class VerifyMath:
             self._in_place_miss[key] = ptr
             return False
         del self._in_place_miss[key]
-        self._graphs.pop(key + (cur,), None)
+        for k in [k for k in self._graphs if k[:4] == key + (cur,)]:  # any ban width
+            del self._graphs[k]
         self._in_place[key] = ptr
         return True
 
@@ -280,14 +316,14 @@ class VerifyMath:
         self._load(plan, seqs, trees)
         src, ptr = self._source(plan, logits)
         if self.use_graphs:
-            key = (plan.mode, plan.bucket, plan.q, ptr)
+            key = (plan.mode, plan.bucket, plan.q, ptr, plan.ban)
             graph = self._graphs.get(key)
             if graph is None:
                 graph = self._graphs[key] = self._capture(plan, src)
             graph.replay()
             self.num_replays += 1
         else:
-            self._math(plan.mode, plan.bucket, plan.q, src)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
         self.num_steps += 1
         return st["out"][:plan.batch].cpu().tolist(), st["gidx"][:plan.batch]  # the one D2H copy
 
@@ -303,11 +339,11 @@ class VerifyMath:
         side = torch.cuda.Stream(dev)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            self._math(plan.mode, plan.bucket, plan.q, src)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
         cur.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._math(plan.mode, plan.bucket, plan.q, src)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
         self.num_captures += 1
         torch.cuda.synchronize(dev)
         self.capture_s += time.perf_counter() - t0
@@ -315,15 +351,27 @@ class VerifyMath:
 
     def _math(self, mode: str, bucket: int, q: int,
               logits: torch.Tensor,  # [bucket, Q, vocab] float32
+              ban: int = 0,  # columns of the ban table (0: no min_new_tokens ban this step)
               ) -> None:
         """The general path's math (`SpecDecoder._verify_general`) for one mode, on the
         static buffers, with no host sync (capturable)."""
         st = self._static[(bucket, q)]
         ints, out, dev = st["ints"], st["verify"], self.device
+
+        def banned(x: torch.Tensor) -> torch.Tensor:
+            """x with the ban table's stop ids at -inf (`_ban`; division by T keeps -inf, so
+            banning after it gives the bits of banning before). amin: -inf where banned, the
+            +inf of empty entries leaves x as it is."""
+            if not ban:
+                return x
+            table = st[f"ban{ban}"]
+            fill = torch.where(table >= 0, float("-inf"), float("inf"))
+            return x.clone().scatter_reduce_(-1, table.clamp(min=0), fill, reduce="amin")
+
         parents, tokens, col = ints[:, :q], ints[:, q:2 * q], ints[:, 2 * q:]
         if mode == "greedy":
-            verify_tree_greedy(parents, tokens, logits, max_depth=q - 1, out=out, validate=False,
-                               impl=self.impl)
+            verify_tree_greedy(parents, tokens, banned(logits), max_depth=q - 1, out=out,
+                               validate=False, impl=self.impl)
             scaled = logits  # T = 1, and x / 1 == x exactly
         else:
             keys = col[:, _KEY]
@@ -336,9 +384,10 @@ class VerifyMath:
             coins = uniform_noise(keys, col[:, _COIN_DRAW], q, dev)
             coins = torch.where(st["cols"] < col[:, _NODES, None], coins, 0.5)  # unused ones: 0.5
             noise = exponential_noise(keys, col[:, _NOISE_DRAW], self.vocab, dev)
-            # sampled_probs' ops, with the quotient kept for the logprobs below
+            # sampled_probs' ops, with the quotient kept for the logprobs below (which the
+            # general path takes before the ban)
             scaled = logits.float() / temp[:, None, None]
-            probs = torch.softmax(scaled, dim=-1)
+            probs = torch.softmax(banned(scaled), dim=-1)
             probs = probs / probs.sum(-1, keepdim=True)
             dp = self._big("_dp", bucket, q) if mode == "sampled" else None
             verify_tree_rejection(parents, tokens, probs, dp, coins, noise, max_depth=q - 1, out=out,

@@ -150,6 +150,35 @@ def test_verify_math_graphs_equal_eager(mode, tree):
     assert graph.num_replays == graph.num_steps == eager.num_steps and eager.num_captures == 0
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_verify_math_graphs_with_a_ban_equal_eager(mode):
+    """min_new_tokens bans (stop ids 1 and 2 at depths 0 and 1, their logits raised):
+    graph replay == the eager math on the same buffers bit for bit, == the general path
+    in tokens and accepted paths; no stop id is emitted at a banned node."""
+    vocab = 4099
+    graph = VerifyMath("cuda", vocab, use_graphs=True, impl="kernel")
+    eager = VerifyMath("cuda", vocab, use_graphs=False, impl="kernel")
+    for step, batch in enumerate([3, 6, 1, 5, 3]):
+        seqs, trees, logits = vf.make_step(batch, vocab, mode, seed=60 + step, tree=step % 2 == 1,
+                                           min_new_tokens=6, max_new_tokens=20)
+        logits[:, 1] += 6.0
+        logits[:, 2] += 5.0
+        trees, logits = _to_cuda(trees), logits.cuda()
+        s_g, s_e, s_ref = (vf.copy_seqs(seqs) for _ in range(3))
+        plan, got_g, _ = vf.fast_path(graph, s_g, trees, logits, vocab)
+        _, got_e, _ = vf.fast_path(eager, s_e, trees, logits, vocab)
+        assert plan.ban == 2
+        for k in got_e:
+            assert torch.equal(got_g[k], got_e[k]), (step, k)
+        want = vf.general_path(s_ref, trees, logits, vocab, impl="kernel")
+        w = want["accept_index"].shape[1]
+        for k in ("accept_index", "accept_length", "tokens"):
+            assert torch.equal(want[k], got_e[k] if k == "accept_length" else got_e[k][:, :w]), (step, k)
+        # output j of a row is output number 4 + j: banned below 6
+        assert not bool(torch.isin(got_e["tokens"][:, :2], torch.tensor([1, 2])).any())
+    assert graph.num_captures > 0 and graph.num_replays == graph.num_steps
+
+
 def _spec_engine(model_dir, dtype, decoder_kw, **engine_kw):
     arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
     engine = RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=8, num_blocks=64,

@@ -3,8 +3,9 @@ a padded batch; on CPU the math runs eagerly, CUDA graphs are tested in tests/gp
 exactly the general path's outputs: accept_index, accept_length and tokens with
 torch.equal, logprobs and processed logprobs bit for bit, for greedy, sampled (draft_probs)
 and sampled one-hot steps, batch sizes that are not buckets, several steps on the same
-buffers. Steps it does not cover (top-k, top-p, min_new_tokens bans, mixed greedy/sampled)
-take the general path. A wrong draw number is detected (negative control). Also: the
+buffers, and steps under a min_new_tokens ban (stop ids at -inf at the nodes below the
+minimum). Steps it does not cover (top-k, top-p, mixed greedy/sampled) take the general
+path. A wrong draw number is detected (negative control). Also: the
 one-torch.tensor TreeBatch.pack equals the per-tree one it replaced, `_ban` equals its
 previous form, and the coins drawn on the device equal the CPU ones by construction."""
 
@@ -149,6 +150,32 @@ def test_fast_path_equals_general_path(mode, tree):
     assert math.num_captures == 0  # CPU: no graphs
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "one_hot"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_fast_path_with_a_ban_equals_general_path(mode, tree):
+    """min_new_tokens = 6 with 4 tokens out: stop ids 1 and 2 banned at depths 0 and 1,
+    allowed deeper. Their logits are raised so that without the ban they would win often
+    (negative control: the general path's outputs change when the ban is lifted)."""
+    vocab = 97
+    math = VerifyMath("cpu", vocab, use_graphs=False)
+    differ = 0
+    for step, batch in enumerate([3, 6, 1, 5]):
+        seqs, trees, logits = make_step(batch, vocab, mode, seed=40 + step, tree=tree,
+                                        min_new_tokens=6, max_new_tokens=20)
+        logits[:, 1] += 6.0
+        logits[:, 2] += 5.0
+        mine = copy_seqs(seqs)
+        want = general_path(seqs, trees, logits, vocab)
+        plan, got, _ = fast_path(math, mine, trees, logits, vocab)
+        assert plan.ban == 2
+        assert mismatches(want, got) == [], (step, batch)
+        assert [s.rng.draws for s in mine] == [s.rng.draws for s in seqs]
+        free = [fake_seq(SamplingParams(temperature=s.request.sampling_params.temperature),
+                         1000 + 7 * b + 40 + step, 3 * b, 4) for b, s in enumerate(seqs)]
+        differ += mismatches(want, general_path(free, trees, logits, vocab)) != []
+    assert differ > 0  # the ban changes outputs: the comparison above has teeth
+
+
 def test_fast_path_with_the_reference_op():
     """impl="reference" (the PyTorch spec of the kernels) on both paths."""
     vocab = 61
@@ -194,11 +221,13 @@ def test_in_place_graph_address_policy():
     a, b, c = (torch.zeros(plan.bucket * plan.q, vocab) for _ in range(3))
     key = (plan.mode, plan.bucket, plan.q)
     assert math._source(plan, a)[1] == a.data_ptr()
-    math._graphs[key + (a.data_ptr(),)] = "graph of a"
+    math._graphs[key + (a.data_ptr(), 0)] = "graph of a"
+    math._graphs[key + (a.data_ptr(), 2)] = "graph of a, with a ban table of width 2"
     for x in (b, a, c, a, b, a):  # alternating: a stays, the others are copied
         assert math._source(plan, x)[1] == (a.data_ptr() if x is a else None)
+    assert len(math._graphs) == 2
     assert math._source(plan, b)[1] is None and math._source(plan, b)[1] == b.data_ptr()
-    assert key + (a.data_ptr(),) not in math._graphs  # dropped: a moved to b
+    assert not math._graphs  # both dropped: a moved to b
     assert math._source(plan, a)[1] is None
 
 
@@ -228,16 +257,19 @@ def test_plan_covers_only_the_common_case():
         seqs, trees, _ = make_step(5, mode=mode, **base)
         plan = VerifyMath.plan(seqs, trees, vocab)
         assert plan is not None and (plan.mode, plan.batch, plan.bucket) == (mode, 5, 8)
-    for kw in (dict(top_k=40), dict(top_p=0.9), dict(min_new_tokens=6, max_new_tokens=20)):
+    for kw in (dict(top_k=40), dict(top_p=0.9)):
         seqs, trees, _ = make_step(5, mode="sampled", **base, **kw)
         assert VerifyMath.plan(seqs, trees, vocab) is None, kw
+    # a min_new_tokens ban: fast, with a ban table of the two stop ids
+    seqs, trees, _ = make_step(5, mode="sampled", **base, min_new_tokens=6, max_new_tokens=20)
+    assert VerifyMath.plan(seqs, trees, vocab).ban == 2
     # top_k disabled by -1 or >= vocab is the common case
     for k in (-1, vocab):
         seqs, trees, _ = make_step(5, mode="sampled", **base, top_k=k)
         assert VerifyMath.plan(seqs, trees, vocab) is not None
-    # min_new_tokens already reached: no ban, fast
+    # min_new_tokens already reached: no ban
     seqs, trees, _ = make_step(5, mode="greedy", **base, min_new_tokens=3, max_new_tokens=20)
-    assert VerifyMath.plan(seqs, trees, vocab) is not None
+    assert VerifyMath.plan(seqs, trees, vocab).ban == 0
     # mixed greedy and sampled rows
     g, gt, _ = make_step(2, mode="greedy", **base)
     s, st, _ = make_step(2, mode="one_hot", **base)
@@ -299,16 +331,17 @@ def test_generate_fast_equals_general(spec_models, case):
                                     dict(temperature=0.9, min_new_tokens=8, stop_token_ids=(7,)),
                                     dict(temperature=0.0, min_new_tokens=8, stop_token_ids=(7,))],
                          ids=["top_k", "top_p", "ban_sampled", "ban_greedy"])
-def test_generate_falls_back_where_not_covered(spec_models, params):
+def test_generate_fast_or_general_by_coverage(spec_models, params):
+    """top-k / top-p steps take the general path; min_new_tokens bans (stop ids 3 and 7)
+    the fast one; the tokens and logprobs equal those of the general path alone."""
     d = spec_models["qwen2"]
     reqs = requests(VOCAB["qwen2"], [5, 11, 3], prompt_seed=5, max_new_tokens=20, seed=6, **params)
     ref, _, _, _ = _generate(d, reqs, "eagle", Strategy(depth=3), fast=False)
     res, fast_steps, general_steps, _ = _generate(d, reqs, "eagle", Strategy(depth=3), fast=True)
-    assert general_steps > 0
-    if "min_new_tokens" in params:  # banned while output < 8, fast afterwards
-        assert fast_steps > 0
+    if "min_new_tokens" in params:
+        assert fast_steps > 0 and general_steps == 0
     else:
-        assert fast_steps == 0
+        assert fast_steps == 0 and general_steps > 0
     assert tokens(res) == tokens(ref)
     for a, b in zip(res, ref):
         assert a.logprobs == b.logprobs and a.processed_logprobs == b.processed_logprobs
