@@ -41,7 +41,8 @@ MATH_MAX_ROWS = 512
 """Largest bucket x Q of the fast path: its static logits and draft-probability buffers hold
 this many vocabulary rows each (311 MB each at a 151,936 vocabulary)."""
 MATH_MAX_BAN = 16
-"""Most stop ids a node may have banned (min_new_tokens) on the fast path."""
+"""Most stop ids a node may have banned (min_new_tokens) on the fast path
+(MEGATRON_TLT_VERIFY_FAST_BAN=0: steps under a ban take the general path, as before 6a92f92)."""
 GRAPHS_ENV = "MEGATRON_TLT_VERIFY_MATH_GRAPHS"
 
 # Columns of the fast path's per-row int table after the tree (parents [0, Q), draft
@@ -164,7 +165,7 @@ class VerifyMath:
             mode = "sampled" if any(t.draft_probs is not None for t in trees) else "one_hot"
         else:
             return None
-        if ban > MATH_MAX_BAN:
+        if ban > MATH_MAX_BAN or (ban and os.environ.get("MEGATRON_TLT_VERIFY_FAST_BAN", "1") == "0"):
             return None
         return FastPlan(mode=mode, batch=b, bucket=bucket, q=q, ban=ban)
 

@@ -263,6 +263,11 @@ def test_plan_covers_only_the_common_case():
     # a min_new_tokens ban: fast, with a ban table of the two stop ids
     seqs, trees, _ = make_step(5, mode="sampled", **base, min_new_tokens=6, max_new_tokens=20)
     assert VerifyMath.plan(seqs, trees, vocab).ban == 2
+    os.environ["MEGATRON_TLT_VERIFY_FAST_BAN"] = "0"  # the switch back to the general path
+    try:
+        assert VerifyMath.plan(seqs, trees, vocab) is None
+    finally:
+        del os.environ["MEGATRON_TLT_VERIFY_FAST_BAN"]
     # top_k disabled by -1 or >= vocab is the common case
     for k in (-1, vocab):
         seqs, trees, _ = make_step(5, mode="sampled", **base, top_k=k)
