@@ -132,20 +132,19 @@ def _counters(engine, decoder) -> dict[str, int]:
 
 def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
          max_new_tokens: int | None = None, profile: bool = False) -> dict:
-    """One timed run: `prompts` is one batch [(id, ids), ...] or a list of such batches,
-    generated one after the other (--prompt-sets) and reported as their totals."""
+    """One timed run: `prompts` is a list of batches [(id, ids), ...], generated one after
+    the other (--prompt-sets) and reported as their totals."""
     from megatron_tlt.rollout import Request, SamplingParams
     new = max_new_tokens or args.max_new_tokens
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_new_tokens=new,
                             min_new_tokens=min(args.min_new_tokens, new))
-    sets = prompts if prompts and isinstance(prompts[0], list) else [prompts]
     engine.spec_decoder = decoder
     if decoder is not None:
         decoder.metrics.reset()
     before = _counters(engine, decoder)
     prof = cProfile.Profile() if profile else None
     wall, results, steps = 0.0, [], 0
-    for batch in sets:
+    for batch in prompts:
         reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
                 for pid, ids in batch]
         clock.sync()
@@ -246,10 +245,10 @@ def main(args: argparse.Namespace) -> int:
     # planner's row-count buckets (a verify runs B x Q rows), the verify extension.
     # None of it in the timings.
     for mode in opts.drafter_names:
-        _run(engine, decoders[mode], prompts[:max_b], opts, f"warmup-full-{mode}", clock)
+        _run(engine, decoders[mode], [prompts[:max_b]], opts, f"warmup-full-{mode}", clock)
     for b in sorted(set(opts.batch_sizes)):
         for mode in [None] + opts.drafter_names:
-            _run(engine, decoders.get(mode), prompts[:b], opts, f"warmup-b{b}-{mode}", clock,
+            _run(engine, decoders.get(mode), [prompts[:b]], opts, f"warmup-b{b}-{mode}", clock,
                  max_new_tokens=min(16, opts.max_new_tokens))
     def save(rows: list[dict], complete: bool) -> None:
         """The JSON report; written after every batch size too, so a cut run keeps what
@@ -311,14 +310,14 @@ def main(args: argparse.Namespace) -> int:
         if b in opts.profile_batch_sizes:
             for mode in runs:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)
-                row["profile"] = _run(engine, decoders.get(mode), prompts[:b], opts,
+                row["profile"] = _run(engine, decoders.get(mode), [prompts[:b]], opts,
                                       f"b{b}-profile-{mode}", clock, profile=True)
                 print(f"B={b:>3} {mode:>5} under cProfile: {row['profile']['ms_per_step']:.2f} ms per "
                       f"engine step", flush=True)
         if opts.breakdown_tokens > 0:
             for mode in opts.drafter_names:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)
-                row["breakdown"] = _breakdown(engine, decoders[mode], prompts[:b], opts,
+                row["breakdown"] = _breakdown(engine, decoders[mode], [prompts[:b]], opts,
                                               f"b{b}-breakdown-{mode}", clock)
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in row["breakdown"]["ms_per_step"].items())
                 print(f"B={b:>3} {mode:>5} ms per SD step: {parts}", flush=True)

@@ -213,14 +213,7 @@ def main() -> None:
             report["results"].append(row)
             continue
         bucket = runner.bucket_for(b)
-        for _ in range(3):
-            runner.run(bucket)
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            runner.run(bucket)
-        _sync()
-        row["graph_replay_ms"] = 1e3 * (time.perf_counter() - t0) / 50
+        row["graph_replay_ms"] = _replay_ms(lambda: runner.run(bucket))
         row["eagle_graph_replay_ms"] = _spec_graph_replays(engine, decoder, b)
         report["results"].append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("cprofile")}), flush=True)

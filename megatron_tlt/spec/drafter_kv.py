@@ -1,5 +1,5 @@
 """The EAGLE drafter's KV cache at rollout time: one slot per sequence in preallocated
-buffers, and attention of a batch of query tiles over whole slots.
+buffers, and attention of one query per sequence over its slot (`attend_one`).
 
 Layout: K and V are [num_slots, capacity, kv_heads, head_dim]; a sequence owns one slot,
 its committed pair t at index t, and a draft level's node at depth d at index
@@ -37,7 +37,8 @@ import torch
 from megatron_tlt.rollout.sampling import has_triton
 
 QUERY_TILE = 16
-"""Query rows per tile in batched extends (a sequence's pending pairs, padded)."""
+"""Rows per sequence in the drafting graphs' extend (its pending pairs, padded;
+spec/eagle_graph.py)."""
 
 
 def paged_levels(q: torch.Tensor) -> bool:
@@ -106,27 +107,6 @@ class SlotKV:
         self.k.index_put_((slots, index), k)
         self.v.index_put_((slots, index), v)
 
-    def attend(self, q: torch.Tensor,  # [N, Tq, heads, head_dim], RoPE applied
-               slots: torch.Tensor,  # [N] int64: the slot each query tile reads
-               last: torch.Tensor,  # [N, Tq] int64: query row sees keys 0..last
-               scale: float) -> torch.Tensor:  # [N, Tq, heads, head_dim]
-        """Masked GQA attention of each tile over its slot's whole capacity (query head h
-        reads KV head h // (H / KVH)). A fixed number of ops whatever N."""
-        n, tq, h, d = q.shape
-        kvh = self.kv_heads
-        rep = h // kvh
-        cap = self.capacity
-        k = self.k.index_select(0, slots)  # [N, cap, KVH, D]
-        v = self.v.index_select(0, slots)
-        qg = q.reshape(n, tq, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, tq * rep, d)
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [N, KVH, Tq*rep, cap]
-        seen = torch.arange(cap, device=q.device) <= last[..., None]  # [N, Tq, cap]
-        seen = seen[:, None, :, None, :].expand(n, kvh, tq, rep, cap).reshape(n, kvh, tq * rep, cap)
-        scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [N, KVH, Tq*rep, D]
-        return out.reshape(n, kvh, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(n, tq, h, d)
-
     def attend_one(self, q: torch.Tensor,  # [N, heads, head_dim]: one query per row, RoPE applied
                    slots: torch.Tensor,  # [N] int64
                    last: torch.Tensor,  # [N] int64: the query sees keys 0..last
@@ -135,8 +115,18 @@ class SlotKV:
         paged decode attention with each slot as one page of `capacity` tokens (one launch
         instead of ~12 torch ops, reading only keys 0..last; its own flash-style
         roundings, the same for a row alone or in any batch); elsewhere, or with
-        MEGATRON_TLT_DRAFT_PAGED_ATTN=0, `attend` on a one-row tile."""
+        MEGATRON_TLT_DRAFT_PAGED_ATTN=0, masked GQA attention over the slot's whole
+        capacity (query head h reads KV head h // (H / KVH); a fixed number of ops)."""
         if paged_levels(q):
             from megatron_tlt.rollout.triton_attention import paged_attention
             return paged_attention(q, self.k, self.v, slots[:, None], last + 1, scale=scale)
-        return self.attend(q[:, None], slots, last[:, None], scale)[:, 0]
+        n, h, d = q.shape
+        kvh, cap = self.kv_heads, self.capacity
+        rep = h // kvh
+        k = self.k.index_select(0, slots)  # [N, cap, KVH, D]
+        v = self.v.index_select(0, slots)
+        scores = torch.matmul(q.reshape(n, kvh, rep, d), k.permute(0, 2, 3, 1)) * scale  # [N, KVH, rep, cap]
+        seen = torch.arange(cap, device=q.device) <= last[:, None]  # [N, cap]
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v.transpose(1, 2)).reshape(n, h, d)  # [N, KVH, rep, D] -> [N, H, D]

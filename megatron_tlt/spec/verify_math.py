@@ -69,7 +69,12 @@ def sampled_probs(logits: torch.Tensor,  # [B, Q, vocab]
     ops in its order (divide, softmax, renormalise) without the greedy branch it adds for
     tensor temperatures (an argmax and a one-hot of [B, Q, vocab]). Bit for bit the same
     (tests/unit/test_verify_fast.py)."""
-    probs = torch.softmax(logits.float() / temperature[:, None, None], dim=-1)
+    return _normalised_softmax(logits.float() / temperature[:, None, None])
+
+
+def _normalised_softmax(scaled: torch.Tensor) -> torch.Tensor:
+    """process_logits' softmax and renormalisation of logits / T."""
+    probs = torch.softmax(scaled, dim=-1)
     return probs / probs.sum(-1, keepdim=True)
 
 
@@ -385,11 +390,10 @@ class VerifyMath:
             coins = uniform_noise(keys, col[:, _COIN_DRAW], q, dev)
             coins = torch.where(st["cols"] < col[:, _NODES, None], coins, 0.5)  # unused ones: 0.5
             noise = exponential_noise(keys, col[:, _NOISE_DRAW], self.vocab, dev)
-            # sampled_probs' ops, with the quotient kept for the logprobs below (which the
+            # sampled_probs, with the quotient kept for the logprobs below (which the
             # general path takes before the ban)
             scaled = logits.float() / temp[:, None, None]
-            probs = torch.softmax(banned(scaled), dim=-1)
-            probs = probs / probs.sum(-1, keepdim=True)
+            probs = _normalised_softmax(banned(scaled))
             dp = self._big("_dp", bucket, q) if mode == "sampled" else None
             verify_tree_rejection(parents, tokens, probs, dp, coins, noise, max_depth=q - 1, out=out,
                                   validate=False, impl=self.impl)

@@ -3,11 +3,24 @@ saved as safetensors; engines over them; random prompts."""
 
 import os
 
+import pytest
 import torch
 
 from megatron_tlt.rollout import RolloutEngine, load_hf
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def triton_interpreter() -> pytest.MarkDecorator:
+    """For a module of Triton-interpreter tests, called before it imports anything that
+    imports triton: TRITON_INTERPRET=1 on a CPU-only machine, the whole module skipped
+    without triton (CI); returns the module's pytestmark, which skips its tests where the
+    interpreter is off (CUDA machines: tests/gpu covers the compiled kernels)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    return pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="Triton interpreter tests run on CPU-only machines")
 
 
 def make_hf_model(family: str, path: str, *, vocab_size: int = 300, tie: bool | None = None,

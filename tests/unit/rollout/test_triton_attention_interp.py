@@ -10,16 +10,12 @@ Skipped when triton is not installed (CI) and on CUDA machines (the interpreter 
 up only where no GPU exists; there the GPU tests cover the compiled kernels).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton interpreter tests run on CPU-only machines")
+from rollout_testutil import triton_interpreter  # noqa: E402
+
+pytestmark = triton_interpreter()
 
 import torch.nn.functional as F  # noqa: E402
 

@@ -3,16 +3,12 @@ consumed by the fused small kernels, == their PyTorch references; float32 on CPU
 Triton's interpreter (the compiled kernels and bf16 run in tests/gpu/test_engine_gpu.py).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton interpreter tests run on CPU-only machines")
+from rollout_testutil import triton_interpreter  # noqa: E402
+
+pytestmark = triton_interpreter()
 
 import torch.nn.functional as F  # noqa: E402
 

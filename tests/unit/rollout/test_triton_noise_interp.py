@@ -7,16 +7,12 @@ draws; the GPU test compares against torch's CUDA log with torch.equal).
 Skipped without triton (CI) and on CUDA machines (tests/gpu covers the compiled kernel).
 """
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton interpreter tests run on CPU-only machines")
+from rollout_testutil import triton_interpreter  # noqa: E402
+
+pytestmark = triton_interpreter()
 
 from megatron_tlt.rollout.sampling import exponential_noise  # noqa: E402
 from megatron_tlt.rollout.triton_noise import exponential_noise_fused  # noqa: E402

@@ -13,15 +13,14 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="Triton interpreter tests run on CPU-only machines")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from spec_testutil import one_thread, spec_models  # noqa: E402,F401  (puts rollout_testutil on the path)
+from rollout_testutil import triton_interpreter  # noqa: E402
+
+pytestmark = triton_interpreter()
+
 from scipy.stats import chisquare  # noqa: E402
-from spec_testutil import one_thread, spec_models  # noqa: E402,F401
 
 from megatron_tlt.spec.triton_pick import chain_pick, chain_pick_reference  # noqa: E402
 
