@@ -45,7 +45,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF target model directory")
     p.add_argument("--drafter", default=None, help="EAGLE drafter directory (needed for eagle)")
     p.add_argument("--drafters", default=None,
-                   help="comma-separated: eagle, ngram (default: eagle with --drafter, else ngram)")
+                   help="comma-separated: eagle, ngram, eagle-readback (EAGLE reading every "
+                        "step's drafts back before verifying, MEGATRON_TLT_SPEC_DEFER=0's step, "
+                        "for a side-by-side comparison) (default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -93,10 +95,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
         raise TLTError(f"bench spec: --min-new-tokens must be in [0, --max-new-tokens], got "
                        f"{args.min_new_tokens}")
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
-    bad = [n for n in names if n not in ("eagle", "ngram")]
+    bad = [n for n in names if n not in ("eagle", "ngram", "eagle-readback")]
     if bad or not names:
-        raise TLTError(f"bench spec: --drafters takes eagle and/or ngram, got {args.drafters!r}")
-    if "eagle" in names and not args.drafter:
+        raise TLTError(f"bench spec: --drafters takes eagle, ngram and/or eagle-readback, got {args.drafters!r}")
+    if ("eagle" in names or "eagle-readback" in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
     args.drafter_names = names
     return args
@@ -121,6 +123,7 @@ def _counters(engine, decoder) -> dict[str, int]:
                    verify_graphs=r.num_verify_graphs,
                    planner_plans=len(r.model.planner.plans) + len(r.model.planner.fused))
     if decoder is not None:
+        out["deferred_steps"] = decoder.num_deferred
         m = decoder._math
         if m is not None:
             out["verify_math_captures"] = m.num_captures
@@ -167,7 +170,8 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
            "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).
-           "events": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}}
+           "events": {k: after[k] - before.get(k, 0) for k in after
+                      if k != "deferred_steps" and after[k] != before.get(k, 0)}}
     if prof is not None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
@@ -175,7 +179,8 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     if decoder is not None:
         t = decoder.metrics.summary()["total"]
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
-                   num_drafts=t["num_drafts"], fallbacks=t["fallbacks"])
+                   num_drafts=t["num_drafts"], fallbacks=t["fallbacks"],
+                   deferred_steps=after["deferred_steps"] - before["deferred_steps"])
     return row
 
 
@@ -236,8 +241,11 @@ def main(args: argparse.Namespace) -> int:
                            eos_token_ids=() if opts.ignore_eos else _eos_ids(opts.model, tokenizer),
                            seed=opts.seed,
                            **fast_path_options(device))
-    decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name, strategy, arch, weights)
+    decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name.split("-")[0], strategy,
+                                    arch, weights)
                 for name in opts.drafter_names}
+    if "eagle-readback" in decoders:
+        decoders["eagle-readback"].defer_drafts = False
     clock = _Clock(torch.device(device))
     # Warm-up: first one full-length run per drafter at the largest batch, so the
     # drafter's KV slots and capacity reach their final size (growing them invalidates

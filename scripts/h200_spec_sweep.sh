@@ -14,13 +14,25 @@
 #              benchmark's temperature), 240 steps
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
+# SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
+# the step that reads the drafts back before verifying beside the default one.
+# SWEEP_AB (optional "DRAFTER:DEPTH"): the one configuration that runs with SWEEP_AB_MODES
+# (default "eagle,eagle-readback") instead of SWEEP_MODES.
+# An SFT still running in the background (h200_gpu_checks.sh) is waited for, up to
+# WAIT_SFT seconds (default 300).
 set -euo pipefail
 OUT=${1:?usage: h200_spec_sweep.sh OUT_DIR [RESULTS_DIR]}
 RESULTS=${2:-}
 PY=${PYTHON:-python3}
 keep() { [ -n "$RESULTS" ] && mkdir -p "$RESULTS" && cp "$@" "$RESULTS"/ 2>/dev/null; true; }
-[ -f "$OUT/sft/hf/config.json" ] || { echo "no target at $OUT/sft/hf (run h200_rl_step.sh first)"; exit 2; }
 t0=$(date +%s)
+while [ ! -f "$OUT/sft/hf/config.json" ] && [ -f "$OUT/sft.log" ] && ! grep -q "stopping at" "$OUT/sft.log" \
+      && [ $(( $(date +%s) - t0 )) -lt "${WAIT_SFT:-300}" ]; do
+  sleep 5
+done
+[ -f "$OUT/sft.log" ] && { tail -n 3 "$OUT/sft.log"; keep "$OUT/sft.log"; }
+[ -f "$OUT/sft/hf/config.json" ] || { echo "no target at $OUT/sft/hf (run h200_rl_step.sh first)"; exit 2; }
+echo "[spec_sweep] target ready at $(( $(date +%s) - t0 )) s"
 recipe() {
   case "$1" in
     greedy128) echo "--num-prompts 128 --temperature 0 --steps 60 --seed 0 --max-new-tokens 192" ;;
@@ -45,8 +57,10 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
     json="$OUT/bench_spec_${d}_depth$k.json"
     [ -f "$json" ] && continue
     echo "[spec_sweep] bench spec: drafter $d, depth $k"
+    modes=${SWEEP_MODES:-eagle}
+    [ "${SWEEP_AB:-}" = "$d:$k" ] && modes=${SWEEP_AB_MODES:-eagle,eagle-readback}
     $PY -m megatron_tlt bench spec --json "$json" --model "$OUT/sft/hf" --drafter "$OUT/drafter_$d" \
-        --drafters eagle --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
+        --drafters "$modes" --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
         --max-new-tokens 256 --ignore-eos --tasks arith,sort --spec-depth "$k" \
         --prompt-sets "${SWEEP_PROMPT_SETS:-4}" 2>&1 | grep -E "^B=|wrote|Error|error" | tee "$OUT/bench_spec_${d}_depth$k.log"
     keep "$json" "$OUT/bench_spec_${d}_depth$k.log"

@@ -443,9 +443,13 @@ class RolloutEngine:
                               query_tokens: torch.Tensor,  # [B, Q] int64
                               positions: torch.Tensor,  # [B, Q] int64 RoPE positions
                               tree_mask: torch.Tensor,  # [B, Q, Q] bool: query i sees query j
-                              *, return_hidden: bool = False) -> ForwardOutput:
+                              *, return_hidden: bool = False,
+                              draft_ids: torch.Tensor | None = None) -> ForwardOutput:
         """verify_forward returning the raw ForwardOutput: logits [B * Q, vocab] and, with
-        return_hidden, both hidden kinds [B * Q, hidden] (rows sequence-major)."""
+        return_hidden, both hidden kinds [B * Q, hidden] (rows sequence-major).
+        draft_ids: [B, Q - 1] int64 on the engine's device, the query tokens after each
+        root, taken from there instead of query_tokens (drafts that never left the
+        device; their values are not checked on the host: they must be valid ids)."""
         bsz, q = query_tokens.shape
         if positions.shape != (bsz, q) or tree_mask.shape != (bsz, q, q) or len(seqs) != bsz:
             raise ValueError(f"verify_forward: {len(seqs)} seqs, query_tokens {tuple(query_tokens.shape)}, "
@@ -467,6 +471,11 @@ class RolloutEngine:
         meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device),
                                     head=query_tokens.reshape(-1).tolist() + positions.reshape(-1).tolist())
         ids, pos = head[:bsz * q], head[bsz * q:]
+        if draft_ids is not None:
+            if tuple(draft_ids.shape) != (bsz, q - 1) or draft_ids.device != ids.device:
+                raise ValueError(f"verify_forward: draft_ids {tuple(draft_ids.shape)} on {draft_ids.device}, "
+                                 f"expected {(bsz, q - 1)} on {ids.device}")
+            ids.view(bsz, q)[:, 1:] = draft_ids
         if self._fused_verify():
             out = self.decode_runner.verify(ids, pos, meta, return_hidden=return_hidden)
         else:

@@ -41,6 +41,19 @@ Lossless and reproducible:
 Verification fast path: megatron_tlt.spec.verify_math (`VerifyMath`), taken when it
 covers the step; other steps take the general path (`_verify_general`).
 
+Deferred drafts (`_deferred`, on unless MEGATRON_TLT_SPEC_DEFER=0): when the drafter can
+leave a step's drafts on the device (EAGLE chains on the static-buffer path,
+`Drafter.launch`), every chain is drafted to full depth and the fast path covers the step,
+the verification is prepared on the host with placeholder trees of the chains' shape
+while the drafter runs, and the drafted ids are written into the verify forward's and the
+verification's inputs on the device: one host sync per step instead of two, and the
+device no longer idles while the host builds the verification. Same numbers as reading
+the drafts back: the same kernels on the same inputs, the same noise draws (the streams
+move past the D draft draws before the verification draws, as a chain that did not fail
+does). A row whose drafter failed (non-finite) is verified as its root alone, nothing of
+it is kept, its stream is set back to where the read-back path leaves it and it decodes
+plainly after the verification (a fallback, as before).
+
 Drafter interface (`Drafter`): `feature` names the target hidden states it needs
 ("final" or None); the decoder passes the rows of every newly committed position through
 `observe`, in order, plain steps included, so a drafter can catch up lazily when SD turns
@@ -68,6 +81,8 @@ from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_devi
 
 logger = logging.getLogger(__name__)
 
+DEFER_ENV = "MEGATRON_TLT_SPEC_DEFER"
+
 
 class Drafter:
     """Base class of drafters (see the module docstring)."""
@@ -87,6 +102,11 @@ class Drafter:
         """One tree per sequence of `seqs`, rooted at its last token and at most caps[i]
         deep. `running`: every sequence of this step (for drafters that look at others)."""
         raise NotImplementedError
+
+    def launch(self, seqs: list, strategy: Strategy, caps: list[int], running: list):
+        """Optional: start a proposal without reading it back (a chain whose drafts stay on
+        the device for the verification; eagle_graph.ChainLaunch), or None (then propose)."""
+        return None
 
     def release(self, seq) -> None:
         """Forget per-sequence state (preemption; the sequence will be re-observed)."""
@@ -187,10 +207,14 @@ class SpecDecoder:
                  threshold: int | None = None,
                  policy: Callable[[int], Strategy | None] | None = None,
                  metrics: SpecMetrics | None = None, verify_impl: str | None = None,
-                 fast_verify: bool = True, verify_graphs: bool | None = None):
+                 fast_verify: bool = True, verify_graphs: bool | None = None,
+                 defer_drafts: bool | None = None):
         """fast_verify: the static-buffer verification path (`VerifyMath`) for the steps it
         covers (False: every step takes the general path). verify_graphs: replay its math
-        from CUDA graphs on a CUDA engine; None: unless MEGATRON_TLT_VERIFY_MATH_GRAPHS=0."""
+        from CUDA graphs on a CUDA engine; None: unless MEGATRON_TLT_VERIFY_MATH_GRAPHS=0.
+        defer_drafts: steps whose drafter can leave its drafts on the device
+        (Drafter.launch) verify them there, with no host round trip in between (see
+        `_deferred`); None: unless MEGATRON_TLT_SPEC_DEFER=0."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -200,7 +224,11 @@ class SpecDecoder:
         self.verify_impl = verify_impl
         self.fast_verify = fast_verify
         self.verify_graphs = os.environ.get(GRAPHS_ENV, "1") != "0" if verify_graphs is None else verify_graphs
+        self.defer_drafts = (os.environ.get(DEFER_ENV, "1") != "0" if defer_drafts is None
+                             else defer_drafts)
         self._math: VerifyMath | None = None
+        self.num_deferred = 0
+        """Steps verified on drafts left on the device (`_deferred`)."""
         self._preemptions: dict[int, int] = {}
         self._warned = False
         self.timings: dict[str, float] | None = None
@@ -297,33 +325,71 @@ class SpecDecoder:
             else:
                 cand.append(s)
                 caps.append(cap)
-        spec, fallbacks = [], 0
+        spec, fallbacks, launched = [], 0, None
         if cand:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 self.drafter.bind(engine)
-                trees = self.drafter.propose(cand, strategy, caps, seqs)
-            for s, t, cap in zip(cand, trees, caps):
-                if t.fallback_reason is not None:
-                    fallbacks += 1
-                    s.spec_stats["fallbacks"] += 1
-                    if not self._warned:
-                        self._warned = True
-                        logger.warning("drafter %s failed (%s); decoding those sequences plainly "
-                                       "(counted as fallbacks)", self.drafter.name, t.fallback_reason)
-                    plain.append(s)
-                elif t.num_drafts == 0:
-                    plain.append(s)
+                launched = self.drafter.launch(cand, strategy, caps, seqs) if self.defer_drafts else None
+                if launched is not None:
+                    spec = self._deferred(engine, launched)
+                    if spec is None:  # not this step: read the drafts back now
+                        trees, launched, spec = launched.collect(), None, []
                 else:
-                    spec.append((s, t.truncate_depth(cap)))
-            spec = self._reserve(engine, spec, plain)
+                    trees = self.drafter.propose(cand, strategy, caps, seqs)
+            if launched is None:
+                for s, t, cap in zip(cand, trees, caps):
+                    if t.fallback_reason is not None:
+                        fallbacks += 1
+                        self._fallback(s, t.fallback_reason)
+                        plain.append(s)
+                    elif t.num_drafts == 0:
+                        plain.append(s)
+                    else:
+                        spec.append((s, t.truncate_depth(cap)))
+                spec = self._reserve(engine, spec, plain)
         if plain:
             with self._phase("plain", engine.device):
                 self._plain(engine, plain)
-        stats = self._verify(engine, spec) if spec else (0, 0, 0)
+        verified = drafted = accepted = emitted = 0
+        if spec:
+            verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched)
+            if failed:  # the drafter failed on the device (deferred step): decode them plainly
+                for s in failed:
+                    self._fallback(s, "non-finite drafter logits")
+                with self._phase("plain", engine.device):
+                    self._plain(engine, failed)
+                fallbacks += len(failed)
+                plain.extend(failed)
         self.metrics.record_step(bsz, strategy=None if strategy is None else strategy.as_dict(),
-                                 num_drafts=len(spec), drafted=stats[0], accepted=stats[1],
-                                 emitted=stats[2] + len(plain), fallbacks=fallbacks,
+                                 num_drafts=verified, drafted=drafted, accepted=accepted,
+                                 emitted=emitted + len(plain), fallbacks=fallbacks,
                                  plain_seqs=len(plain))
+
+    def _fallback(self, seq, reason: str) -> None:
+        seq.spec_stats["fallbacks"] += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("drafter %s failed (%s); decoding those sequences plainly "
+                           "(counted as fallbacks)", self.drafter.name, reason)
+
+    def _deferred(self, engine, launched) -> list | None:
+        """The step's (sequence, tree) pairs when its verification can read the drafts on
+        the device (no host round trip between drafting and verifying: the host prepares
+        the verification while the drafter runs): full-depth chains, the verification fast
+        path, KV room for every tree. The trees are placeholders of the chains' shape
+        (ChainLaunch.placeholder_trees). None: read the drafts back (the usual step)."""
+        if not launched.full_depth:
+            return None
+        trees = launched.placeholder_trees()
+        seqs = launched.seqs
+        if self.verify_math(engine) is None or VerifyMath.plan(seqs, trees, engine.arch.vocab_size) is None:
+            return None
+        q = launched.depth + 1
+        if not all(engine.cache.ensure(s.seq_id, s.num_computed + q) for s in seqs):
+            return None
+        launched.advance_draws()
+        self.num_deferred += 1
+        return list(zip(seqs, trees))
 
     def _reserve(self, engine, spec, plain):
         """Room in the KV pool for every tree (padded to one size); others decode plainly."""
@@ -355,25 +421,32 @@ class SpecDecoder:
             s.spec_stats["plain_steps"] += 1
         engine.sample_and_append(seqs, out.logits)
 
-    def _verify(self, engine, spec) -> tuple[int, int, int]:
+    def _verify(self, engine, spec, launched=None) -> tuple[int, int, int, int, list]:
+        """Verify, commit and append: (sequences verified, drafted, accepted, emitted,
+        sequences whose deferred drafts failed: not committed, for a plain step)."""
         seqs = [s for s, _ in spec]
         trees = [t for _, t in spec]
         vocab = engine.arch.vocab_size
         math = self.verify_math(engine)
         plan = VerifyMath.plan(seqs, trees, vocab) if math is not None else None
+        drafts = None if launched is None else launched.device_tokens()
+        if drafts is not None and plan is None:
+            raise AssertionError("deferred drafts need the verification fast path")
         probs_out = math.draft_probs_buffer(plan) if plan is not None and plan.mode == "sampled" else None
         batch = TreeBatch.pack(trees, [len(s.token_ids) - 1 for s in seqs], vocab, probs_out=probs_out)
         with self._phase("verify_forward", engine.device):
             out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
-                                               batch.tree_mask, return_hidden=True)
+                                               batch.tree_mask, return_hidden=True,
+                                               draft_ids=None if drafts is None else drafts[0])
         bsz, q = batch.parents.shape
         with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
             if plan is not None:
-                host_rows, gidx = math.run(plan, seqs, trees, out.logits)
+                host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts)
                 width = q
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))
                 width, gidx = batch.max_depth + 1, None
+        failed = launched.settle() if launched is not None else [False] * bsz
         paths = []  # accepted nodes (host rows are floats: one int() per value read)
         for row in host_rows:
             paths.append(list(map(int, row[:int(row[width]) + 1])))
@@ -391,8 +464,11 @@ class SpecDecoder:
                 index = torch.tensor(rows_of, device=out.logits.device)
             hid = {"final": out.hidden_final, "pre_norm": out.hidden_pre_norm}
             picked = {k: hid[k].view(bsz * q, -1)[index] for k in kinds}
-        drafted = accepted = emitted = 0
+        verified = drafted = accepted = emitted = 0
         for b, s in enumerate(seqs):
+            if failed[b]:
+                engine.commit_kv(s, [])  # nothing kept: the plain step recomputes the root
+                continue
             path = paths[b]
             acc = len(path) - 1
             row = host_rows[b]
@@ -415,10 +491,11 @@ class SpecDecoder:
             s.spec_stats["num_drafts"] += 1
             s.spec_stats["drafted"] += trees[b].num_drafts
             s.spec_stats["accepted"] += acc
+            verified += 1
             drafted += trees[b].num_drafts
             accepted += acc
             emitted += n_emit
-        return drafted, accepted, emitted
+        return verified, drafted, accepted, emitted, [s for s, f in zip(seqs, failed) if f]
 
     def _verify_general(self, seqs, batch: TreeBatch,
                         raw: torch.Tensor,  # [B, Q, vocab] the verify forward's logits

@@ -615,10 +615,9 @@ class EagleProposer(Drafter):
     def propose(self, seqs, strategy, caps, running):
         d = self.drafter
         a = d.arch
-        cg = self.chain_graphs() if self.static_chains is not False else None
-        setting = cg.setting(seqs, strategy) if cg is not None else None
-        if setting is not None:
-            return cg.propose(seqs, strategy, caps, setting)
+        launched = self.launch(seqs, strategy, caps, running)
+        if launched is not None:
+            return launched.collect()
         builders = [TreeBuilder(s.token_ids[-1], strategy, cap) for s, cap in zip(seqs, caps)]
         # (1) extend over the committed pairs not yet consumed; the last one is the root.
         roots = self._extend(seqs)
@@ -632,6 +631,16 @@ class EagleProposer(Drafter):
         else:
             self._draft_trees(seqs, builders, roots, strategy)
         return [b.result(a.vocab_size) for b in builders]
+
+    @torch.no_grad()
+    def launch(self, seqs, strategy, caps, running):
+        """Chain steps the static-buffer path serves (eagle_graph.ChainGraphs): replayed,
+        not yet read back (an eagle_graph.ChainLaunch); None for every other step."""
+        cg = self.chain_graphs() if self.static_chains is not False else None
+        setting = cg.setting(seqs, strategy) if cg is not None else None
+        if setting is None:
+            return None
+        return cg.launch(seqs, strategy, caps, setting)
 
     def _draft_chains(self, seqs, builders, roots) -> None:
         """Chains of every sequence at once. Per level: pick each live row's token from its

@@ -19,10 +19,14 @@ What one replay computes, for a batch bucket (1, 2, 4, ..., 64 sequences):
    (spec/triton_pick.py; the eager chain takes both too, so the paths still agree);
 3. outputs in static buffers: tokens and finiteness flags [bucket, 2D] int64 (ONE
    device-to-host copy after the replay) and, for sampled chains, the draft
-   distributions scattered to the target vocabulary [bucket, D + 1, vocab] (row 0 zero).
+   distributions scattered to the target vocabulary [bucket, D + 1, vocab] (row 0 zero);
+   for a verification that reads the drafts on the device, the tokens with failed rows'
+   set to 0 and the failed rows.
 The host then builds the DraftTrees exactly as the eager path (`_draft_chains`): a row's
 chain stops at its depth cap; a non-finite level fails the whole tree (plain decode);
-sampled rows advance their noise stream by the levels actually drafted.
+sampled rows advance their noise stream by the levels actually drafted
+(`ChainLaunch.collect`). SpecDecoder may instead verify the drafts where they are
+(`ChainLaunch.placeholder_trees` / `device_tokens` / `settle`; spec/decode.py).
 
 Same numbers as the eager path: every op is the eager path's op on the same rows; the
 extra rows (tile padding, levels below a row's cap, padding sequences) are row-local
@@ -48,6 +52,7 @@ gathered head in place). Kill switch: MEGATRON_TLT_DRAFT_GRAPHS=0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -165,6 +170,14 @@ class ChainGraphs:
 
     @torch.no_grad()
     def propose(self, seqs, strategy, caps, setting) -> list[DraftTree]:
+        return self.launch(seqs, strategy, caps, setting).collect()
+
+    @torch.no_grad()
+    def launch(self, seqs, strategy, caps, setting) -> "ChainLaunch":
+        """Load the step's inputs and replay (no host sync): the drafts stay on the device
+        until ChainLaunch.collect (or, for a verification that reads them there,
+        ChainLaunch.settle). The drafter's own bookkeeping (pairs consumed) is done here;
+        the noise streams are advanced by collect / advance_draws."""
         p = self.p
         n_seq = len(seqs)
         bucket = next(b for b in BUCKETS if b >= n_seq)
@@ -203,24 +216,11 @@ class ChainGraphs:
                           src.to(feats.device, feats.dtype))
         out = self._run(bucket, depth, setting, buf)
         self.num_steps += 1
-        flat = out["ints"][:n_seq].tolist()  # the step's one device-to-host transfer
-        trees = []
-        for r, (s, st, cap) in enumerate(zip(seqs, states, caps)):
+        for s, st in zip(seqs, states):
             st.num_pairs = len(s.token_ids) - 1
             st.pending = []
-            root = s.token_ids[-1]
-            levels, row = min(depth, cap), flat[r]
-            finite = row[depth:depth + levels]
-            failed = not all(finite)
-            toks = row[:finite.index(0) if failed else levels]  # up to the first failed level
-            if sampled:
-                s.rng.draws += len(toks)
-            if failed:
-                trees.append(DraftTree.failed(root, "non-finite drafter logits"))
-            else:
-                probs = out["probs"][r, :len(toks) + 1] if sampled else None
-                trees.append(DraftTree([root] + toks, list(range(-1, len(toks))), probs))
-        return trees
+        draws = [s.rng.draws for s in seqs] if sampled else None
+        return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=depth, out=out, draws=draws)
 
     def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
         if not self.use_graphs:
@@ -330,4 +330,92 @@ class ChainGraphs:
             o = kv.attend_one(q, slot, idx, d.scale)
             f = d.layer_out(x, o)
             lg = d.logits(f)
+        # For a verification that reads the drafts on the device (ChainLaunch.settle): a
+        # row with a non-finite level fails (as collect decides for full-depth chains), and
+        # its tokens are replaced by 0 so they stay valid ids for the target's forward.
+        out["bad"] = (out_ints[:, depth:] == 0).any(-1)
+        out["tokens"] = out_ints[:, :depth].masked_fill(out["bad"][:, None], 0)
         return out
+
+
+@dataclasses.dataclass
+class ChainLaunch:
+    """A chain step replayed but not yet read back (ChainGraphs.launch)."""
+
+    seqs: list
+    caps: list[int]
+    depth: int
+    out: dict[str, torch.Tensor]
+    """The replay's static outputs: "ints" [bucket, 2D] tokens and finiteness flags,
+    "tokens" [bucket, D] the tokens with failed rows' set to 0, "bad" [bucket] bool,
+    "probs" [bucket, D + 1, vocab] for sampled chains."""
+    draws: list[int] | None
+    """Sampled chains: each noise stream's draw count at launch (the chain's level l used
+    draw draws[i] + l)."""
+
+    def collect(self) -> list[DraftTree]:
+        """The DraftTrees, as the eager path builds them (one device-to-host copy): a row's
+        chain stops at its depth cap; a non-finite level fails the whole tree (plain
+        decode); sampled rows' streams advance by the levels actually drafted."""
+        depth, out = self.depth, self.out
+        flat = out["ints"][:len(self.seqs)].tolist()
+        trees = []
+        for r, (s, cap) in enumerate(zip(self.seqs, self.caps)):
+            root = s.token_ids[-1]
+            levels, row = min(depth, cap), flat[r]
+            finite = row[depth:depth + levels]
+            failed = not all(finite)
+            toks = row[:finite.index(0) if failed else levels]  # up to the first failed level
+            if self.draws is not None:
+                s.rng.draws = self.draws[r] + len(toks)
+            if failed:
+                trees.append(DraftTree.failed(root, "non-finite drafter logits"))
+            else:
+                probs = out["probs"][r, :len(toks) + 1] if self.draws is not None else None
+                trees.append(DraftTree([root] + toks, list(range(-1, len(toks))), probs))
+        return trees
+
+    # ---- verification on the device's drafts (SpecDecoder's deferred step) -------------
+
+    @property
+    def full_depth(self) -> bool:
+        """Every chain is drafted to full depth (no cap below it): the trees' shapes are
+        known before the drafts are read."""
+        return all(c >= self.depth for c in self.caps)
+
+    def placeholder_trees(self) -> list[DraftTree]:
+        """Chains of full depth with token 0 at every draft node (the drafts themselves
+        are `device_tokens`) and, sampled, the device's draft distributions."""
+        d = self.depth
+        parents = list(range(-1, d))
+        sampled = self.draws is not None
+        return [DraftTree([s.token_ids[-1]] + [0] * d, parents,
+                          self.out["probs"][r, :d + 1] if sampled else None)
+                for r, s in enumerate(self.seqs)]
+
+    def device_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, D] int64 drafted target ids, failed rows 0; [B] bool failed rows), on the
+        device."""
+        n = len(self.seqs)
+        return self.out["tokens"][:n], self.out["bad"][:n]
+
+    def advance_draws(self) -> None:
+        """Sampled chains: every stream past its D draft draws (what collect does for a
+        chain that did not fail), before the verification takes its own draws."""
+        if self.draws is not None:
+            for s, d0 in zip(self.seqs, self.draws):
+                s.rng.draws = d0 + self.depth
+
+    def settle(self) -> list[bool]:
+        """After the verification's device-to-host copy: which rows failed (a non-finite
+        level). A failed row's noise stream is set back to where collect leaves it (the
+        levels drafted before the failure), undoing advance_draws and the verification's
+        draws: the row then decodes plainly exactly as on the collect path."""
+        failed = []
+        for r, (s, row) in enumerate(zip(self.seqs, self.out["ints"][:len(self.seqs)].tolist())):
+            finite = row[self.depth:2 * self.depth]
+            bad = not all(finite)
+            failed.append(bad)
+            if bad and self.draws is not None:
+                s.rng.draws = self.draws[r] + finite.index(0)
+        return failed

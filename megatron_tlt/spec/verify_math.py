@@ -314,12 +314,20 @@ class VerifyMath:
 
     def run(self, plan: FastPlan, seqs, trees: list[DraftTree],
             logits: torch.Tensor,  # [B * Q, vocab] the verify forward's logits
+            drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
             ) -> tuple[list[list[float]], torch.Tensor]:
         """(host rows [B][4Q + 1], accepted nodes' rows of the verify output [B, Q] on the
-        device)."""
+        device). drafts: chains whose tokens are still on the device (trees of their
+        shape with placeholder tokens): ([B, Q - 1] int64 draft ids, [B] bool rows that
+        failed); a failed row is verified as its root alone (valid input, outputs unused)."""
         self._reserve(plan.bucket * plan.q)
         st = self._small(plan.bucket, plan.q)
         self._load(plan, seqs, trees)
+        if drafts is not None:
+            tok, bad = drafts
+            ints, b, q = st["ints"], plan.batch, plan.q
+            ints[:b, q + 1:2 * q] = tok.masked_fill(bad[:, None], -1)
+            ints[:b, 1:q].masked_fill_(bad[:, None], -1)
         src, ptr = self._source(plan, logits)
         if self.use_graphs:
             key = (plan.mode, plan.bucket, plan.q, ptr, plan.ban)

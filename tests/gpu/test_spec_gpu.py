@@ -226,3 +226,31 @@ def test_greedy_spec_with_verify_math_graphs_equals_plain(model_dir, strategy):
     assert tokens(res) == tokens(base)
     for a, b in zip(res, base):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_drafter"])
+def test_deferred_drafts_equal_read_back_on_gpu(model_dir, temperature, nan):
+    """bf16 Triton engine with every graph on (decode, verify, verify math, drafter
+    chains): verifying the drafts on the device (SpecDecoder._deferred, the default)
+    gives bit for bit the tokens, logprobs and processed logprobs of reading them back
+    first (defer_drafts=False); with a non-finite drafter every deferred row falls back
+    to a plain step exactly as on the read-back path."""
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=32, seed=5)
+    out = {}
+    for defer in (True, False):
+        e = _spec_engine(model_dir, torch.bfloat16, dict(defer_drafts=defer), attention_backend="triton",
+                         cuda_graphs=True)
+        if nan:
+            with torch.no_grad():
+                e.spec_decoder.drafter.drafter.fc.weight[0, 0] = float("nan")
+        out[defer] = (e.generate(reqs), e.spec_decoder)
+    (r_on, d_on), (r_off, d_off) = out[True], out[False]
+    assert d_on.num_deferred > 0 and d_off.num_deferred == 0
+    assert d_on.drafter._chain_graphs.num_replays > 0
+    assert tokens(r_on) == tokens(r_off)
+    assert [r.logprobs for r in r_on] == [r.logprobs for r in r_off]
+    assert [r.processed_logprobs for r in r_on] == [r.processed_logprobs for r in r_off]
+    fb = [r.spec_stats["fallbacks"] for r in r_on]
+    assert fb == [r.spec_stats["fallbacks"] for r in r_off]
+    assert (min(fb) > 0) if nan else (max(fb) == 0)

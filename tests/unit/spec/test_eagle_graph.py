@@ -134,3 +134,71 @@ def test_generate_with_static_chains_equals_eager_chains(spec_models, params):
         assert engine.spec_decoder.drafter._chain_graphs.num_steps > 0
         if kw:
             assert sum(r.num_preemptions for r in static) > 0
+
+
+def _deferred_runs(spec_models, drafter_seed, params, defer, *, nan=False, **engine_kw):
+    """One generate call (4 prompts x 2 samples, depth-3 chains on the static path), with
+    or without verification on the device's drafts: (results, decoder)."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    def make(e):
+        d = random_eagle(e, seed=drafter_seed)
+        if nan:  # non-finite at every level: every step falls back
+            with torch.no_grad():
+                d.fc.weight[0, 0] = float("nan")
+        p = EagleProposer(d, min_kv_capacity=128)
+        p.static_chains = True
+        return p
+
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, prompt_seed=3, max_new_tokens=14, **params)
+    engine = make_engine(spec_models["qwen2"], **engine_kw)
+    engine.spec_decoder = SpecDecoder(make(engine), Strategy(depth=3), defer_drafts=defer)
+    return engine.generate(reqs), engine.spec_decoder
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.0)])
+@pytest.mark.parametrize("engine_kw", [{}, {"num_blocks": 12}])
+def test_deferred_drafts_equal_read_back_drafts(spec_models, params, engine_kw):
+    """Verifying the chains on the device (SpecDecoder._deferred: placeholder trees, the
+    drafts written into the verify inputs on the device) gives the tokens, logprobs and
+    acceptance counts of reading them back first, with and without forced preemption;
+    steps near max_new_tokens (chains capped below the depth) take the read-back path."""
+    on, dec_on = _deferred_runs(spec_models, 2, params, True, **engine_kw)
+    off, dec_off = _deferred_runs(spec_models, 2, params, False, **engine_kw)
+    assert dec_on.num_deferred > 0 and dec_off.num_deferred == 0
+    assert tokens(on) == tokens(off)
+    assert [r.logprobs for r in on] == [r.logprobs for r in off]
+    assert [r.spec_stats["accepted"] for r in on] == [r.spec_stats["accepted"] for r in off]
+    capped = sum(b.steps for b in dec_on.metrics.buckets.values()) - dec_on.num_deferred
+    assert capped > 0  # some steps were not deferred (caps below the depth)
+    if engine_kw:
+        assert sum(r.num_preemptions for r in on) > 0
+
+
+def test_deferred_drafts_negative_control(spec_models, monkeypatch):
+    """The comparison above can fail: a deferred step that forgets to move the noise
+    streams past the drafts before the verification draws (ChainLaunch.advance_draws
+    a no-op) changes the sampled tokens."""
+    from megatron_tlt.spec import eagle_graph
+    base, _ = _deferred_runs(spec_models, 2, dict(temperature=0.8), False)
+    monkeypatch.setattr(eagle_graph.ChainLaunch, "advance_draws", lambda self: None)
+    broken, dec = _deferred_runs(spec_models, 2, dict(temperature=0.8), True)
+    assert dec.num_deferred > 0
+    assert tokens(broken) != tokens(base)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_deferred_drafts_nan_drafter_falls_back_as_read_back(spec_models, temperature):
+    """A drafter with non-finite outputs: the deferred step verifies the failed rows as a
+    root alone, keeps nothing of it and decodes them plainly, so tokens, logprobs and the
+    fallback counts equal the read-back path's (which never verifies them)."""
+    on, dec_on = _deferred_runs(spec_models, 2, dict(temperature=temperature), True, nan=True)
+    off, dec_off = _deferred_runs(spec_models, 2, dict(temperature=temperature), False, nan=True)
+    assert dec_on.num_deferred > 0
+    assert tokens(on) == tokens(off)
+    assert [r.logprobs for r in on] == [r.logprobs for r in off]
+    f_on = [r.spec_stats["fallbacks"] for r in on]
+    assert f_on == [r.spec_stats["fallbacks"] for r in off] and min(f_on) > 0
+    assert [r.spec_stats["accepted"] for r in on] == [0] * len(on)
+    assert dec_on.metrics.buckets and sum(b.fallbacks for b in dec_on.metrics.buckets.values()) == \
+        sum(b.fallbacks for b in dec_off.metrics.buckets.values())
