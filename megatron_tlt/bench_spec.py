@@ -70,6 +70,12 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--continuous", action="store_true",
+                   help="a timed run submits all --prompt-sets x B requests to one generate call "
+                        "with at most B running at once (continuous batching, as an RL rollout "
+                        "runs), instead of one generate call per set of B: a finished sequence's "
+                        "place is taken by the next request, so the run does not wait, set by set, "
+                        "for its slowest sequence")
     p.add_argument("--prompt-sets", type=int, default=1,
                    help="each timed run at batch size B generates for N disjoint sets of B "
                         "prompts one after the other and reports their totals (N x max batch "
@@ -145,21 +151,34 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     if decoder is not None:
         decoder.metrics.reset()
     before = _counters(engine, decoder)
+    capture0 = _capture_seconds(engine, decoder)
     prof = cProfile.Profile() if profile else None
-    wall, results, steps = 0.0, [], 0
-    for batch in prompts:
-        reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
-                for pid, ids in batch]
-        clock.sync()
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        results += engine.generate(reqs)
-        if prof is not None:
-            prof.disable()
-        clock.sync()
-        wall += time.perf_counter() - t0
-        steps += len(engine.step_log)
+    wall, results, steps, running = 0.0, [], 0, 0
+    batches, limit = prompts, None
+    if getattr(args, "continuous", False) and len(prompts) > 1:
+        # one generate call, at most one set's worth of sequences running at once
+        batches, limit = [[p for batch in prompts for p in batch]], max(len(b) for b in prompts)
+    sched = engine.scheduler
+    full = sched.max_num_seqs
+    try:
+        if limit is not None:
+            sched.max_num_seqs = min(limit, full)
+        for batch in batches:
+            reqs = [Request(prompt_id=f"{tag}-{pid}", prompt_token_ids=ids, sampling_params=params)
+                    for pid, ids in batch]
+            clock.sync()
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            results += engine.generate(reqs)
+            if prof is not None:
+                prof.disable()
+            clock.sync()
+            wall += time.perf_counter() - t0
+            steps += len(engine.step_log)
+            running = max([running] + [n for n, _ in engine.step_log])
+    finally:
+        sched.max_num_seqs = full
     errors = [r.error for r in results if r.error]
     if errors:
         raise TLTError(f"bench spec: a request failed: {errors[0]}")
@@ -168,10 +187,14 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
            "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),
            "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
+           "max_running": running,  # most sequences in one engine step
+           "generate_calls": len(batches),
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).
            "events": {k: after[k] - before.get(k, 0) for k in after
-                      if k != "deferred_steps" and after[k] != before.get(k, 0)}}
+                      if k != "deferred_steps" and after[k] != before.get(k, 0)},
+           # wall seconds of those captures inside this run (part of wall_s)
+           "capture_s": _capture_seconds(engine, decoder) - capture0}
     if prof is not None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
@@ -182,6 +205,14 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
                    num_drafts=t["num_drafts"], fallbacks=t["fallbacks"],
                    deferred_steps=after["deferred_steps"] - before["deferred_steps"])
     return row
+
+
+def _capture_seconds(engine, decoder) -> float:
+    """Wall seconds spent so far capturing CUDA graphs: the engine's decode and verify
+    graphs and, with a decoder, its verification-math and drafting graphs."""
+    r = engine.decode_runner
+    t = r.capture_s if r is not None else 0.0
+    return t + (decoder.capture_seconds() if decoder is not None else 0.0)
 
 
 def _verify_graph_rows(engine) -> int | None:
@@ -246,6 +277,14 @@ def main(args: argparse.Namespace) -> int:
                 for name in opts.drafter_names}
     if "eagle-readback" in decoders:
         decoders["eagle-readback"].defer_drafts = False
+    for dec in decoders.values():
+        kv = getattr(dec.drafter, "kv", None)
+        if kv is not None:
+            # The drafter's KV slots sized for the longest sequence of any prompt set up
+            # front: growing them mid-run reallocates the buffers its graphs read, and every
+            # drafting graph is captured again inside a timed run.
+            from megatron_tlt.spec.drafter_kv import QUERY_TILE
+            kv.ensure_capacity(longest + QUERY_TILE + strategy.depth)
     clock = _Clock(torch.device(device))
     # Warm-up: first one full-length run per drafter at the largest batch, so the
     # drafter's KV slots and capacity reach their final size (growing them invalidates
@@ -271,7 +310,9 @@ def main(args: argparse.Namespace) -> int:
                              "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs")),
                              "verify_graph_rows": _verify_graph_rows(engine)},
                   "definitions": {
-                      "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats)",
+                      "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats); "
+                                      "per prompt set unless --continuous (all sets in one call, at most "
+                                      "the batch size running)",
                       "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
                       "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "

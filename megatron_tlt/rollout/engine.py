@@ -36,7 +36,7 @@ import torch
 from megatron_tlt.errors import ConfigError, TLTError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.attention import AttentionMetadata, make_backend
-from megatron_tlt.rollout.host import int64_tensor
+from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
@@ -468,7 +468,7 @@ class RolloutEngine:
             slots.extend(self.cache.slot_range(seq.seq_id, base, base + q))
             starts.append(starts[-1] + q)
             ctx.append(base + q)
-        meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=tree_mask.to(self.device),
+        meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=to_device(tree_mask, self.device),
                                     head=query_tokens.reshape(-1).tolist() + positions.reshape(-1).tolist())
         ids, pos = head[:bsz * q], head[bsz * q:]
         if draft_ids is not None:
@@ -536,7 +536,7 @@ class RolloutEngine:
         for t in tables:
             flat += t
             flat += [0] * (width - len(t))
-        buf = int64_tensor(flat).to(self.device)
+        buf = to_device(int64_tensor(flat), self.device)
         h, n = len(head), len(slots)
         parts = buf[h:].split([n, b + 1, b, b * width])
         return AttentionMetadata(slot_mapping=parts[0], query_start=parts[1], context_lens=parts[2],

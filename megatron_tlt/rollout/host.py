@@ -13,3 +13,16 @@ def int64_tensor(values) -> torch.Tensor:
     hundreds to thousands of values of a step's int tables (torch.tensor converts element
     by element)."""
     return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on `device`. To a CUDA device through pinned memory, without blocking
+    the host: torch synchronises the stream after a copy from pageable memory, so a plain
+    .to("cuda") waits for every kernel queued before it (a speculative step's verify inputs
+    would wait for the drafter's replay that was launched to overlap them). The pinned
+    staging block comes from torch's caching host allocator, which does not hand it out
+    again until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

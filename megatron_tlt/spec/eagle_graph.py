@@ -58,7 +58,7 @@ import time
 
 import torch
 
-from megatron_tlt.rollout.host import int64_tensor
+from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.sampling import exponential_noise, has_triton
 from megatron_tlt.spec.drafter_kv import QUERY_TILE
 from megatron_tlt.spec.sampling_ref import process_logits
@@ -212,7 +212,7 @@ class ChainGraphs:
             self._copy_done.record()
         feats.zero_()
         src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
-        feats.index_copy_(0, int64_tensor(dest).to(feats.device, non_blocking=True),
+        feats.index_copy_(0, to_device(int64_tensor(dest), feats.device),
                           src.to(feats.device, feats.dtype))
         out = self._run(bucket, depth, setting, buf)
         self.num_steps += 1

@@ -95,21 +95,27 @@ def test_bench_spec_fixed_length(tmp_path):
 def test_bench_spec_prompt_sets(tmp_path):
     """--prompt-sets 3 at batch 2: a timed run generates 3 disjoint batches one after the
     other and reports their totals (6 responses of a fixed 10 tokens); the default run
-    generates one batch (control)."""
+    generates one batch (control); --continuous generates the 6 in one call, 2 at a time."""
     runs = {}
-    for n in (1, 3):
+    for n, flag in ((1, []), (3, []), ("3c", ["--continuous"])):
         path = tmp_path / f"sets{n}.json"
         assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
                      "--batch-sizes", "2", "--max-new-tokens", "10", "--min-new-tokens", "10",
                      "--tasks", "sort", "--device", "cpu", "--breakdown-tokens", "0",
-                     "--prompt-sets", str(n)]) == 0
+                     "--prompt-sets", str(n)[0]] + flag) == 0
         report = json.loads(path.read_text())
-        assert report["settings"]["prompt_sets"] == n
+        assert report["settings"]["prompt_sets"] == int(str(n)[0])
+        assert report["settings"]["continuous"] == bool(flag)
         runs[n] = {r["mode"]: r["repeats"][0] for r in report["results"]}
     for mode in ("off", "ngram"):
         assert runs[1][mode]["tokens"] == 2 * 10 and runs[3][mode]["tokens"] == 6 * 10
         assert runs[3][mode]["mean_len"] == 10.0
         assert runs[3][mode]["steps"] > runs[1][mode]["steps"]
+        # --continuous: the same 6 responses from one call, never more than 2 running
+        assert runs["3c"][mode]["tokens"] == 6 * 10 and runs["3c"][mode]["max_running"] == 2
+        assert runs[3][mode]["max_running"] == 2
+        assert (runs["3c"][mode]["generate_calls"], runs[3][mode]["generate_calls"]) == (1, 3)
+        assert runs[3][mode]["capture_s"] == 0.0  # CPU: no graphs
     assert runs[3]["ngram"]["num_drafts"] > runs[1]["ngram"]["num_drafts"]
 
 
