@@ -12,12 +12,15 @@
 #              its prompts are bench spec's (also seed 0), so its acceptance is optimistic
 #   t09x512    512 prompts (seed 1: not bench spec's) x 2 responses sampled at T=0.9 (the
 #              benchmark's temperature), 240 steps
+#   t09x128    the same at a quarter: 128 prompts (seed 1) x 2, 60 steps (a quick check)
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
 # the step that reads the drafts back before verifying beside the default one.
 # SWEEP_AB (optional "DRAFTER:DEPTH"): the one configuration that runs with SWEEP_AB_MODES
 # (default "eagle,eagle-readback") instead of SWEEP_MODES.
+# SWEEP_BENCH_ARGS: more bench spec flags (e.g. --continuous); SWEEP_TAG: a suffix of the
+# bench outputs' names (so a second sweep with other flags does not skip as done).
 # An SFT still running in the background (h200_gpu_checks.sh) is waited for, up to
 # WAIT_SFT seconds (default 300).
 set -euo pipefail
@@ -37,6 +40,7 @@ recipe() {
   case "$1" in
     greedy128) echo "--num-prompts 128 --temperature 0 --steps 60 --seed 0 --max-new-tokens 192" ;;
     t09x512) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256" ;;
+    t09x128) echo "--num-prompts 128 --n 2 --temperature 0.9 --steps 60 --seed 1 --max-new-tokens 256" ;;
     *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
   esac
 }
@@ -54,16 +58,19 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
 done
 for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
   for k in ${SWEEP_DEPTHS:-4 6}; do
-    json="$OUT/bench_spec_${d}_depth$k.json"
+    name="bench_spec_${d}_depth$k${SWEEP_TAG:-}"
+    json="$OUT/$name.json"
     [ -f "$json" ] && continue
     echo "[spec_sweep] bench spec: drafter $d, depth $k"
     modes=${SWEEP_MODES:-eagle}
     [ "${SWEEP_AB:-}" = "$d:$k" ] && modes=${SWEEP_AB_MODES:-eagle,eagle-readback}
+    # shellcheck disable=SC2086
     $PY -m megatron_tlt bench spec --json "$json" --model "$OUT/sft/hf" --drafter "$OUT/drafter_$d" \
         --drafters "$modes" --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
         --max-new-tokens 256 --ignore-eos --tasks arith,sort --spec-depth "$k" \
-        --prompt-sets "${SWEEP_PROMPT_SETS:-4}" 2>&1 | grep -E "^B=|wrote|Error|error" | tee "$OUT/bench_spec_${d}_depth$k.log"
-    keep "$json" "$OUT/bench_spec_${d}_depth$k.log"
+        --prompt-sets "${SWEEP_PROMPT_SETS:-4}" ${SWEEP_BENCH_ARGS:-} 2>&1 \
+        | grep -E "^B=|wrote|Error|error" | tee "$OUT/$name.log"
+    keep "$json" "$OUT/$name.log"
     echo "[spec_sweep] bench $d depth $k done at $(( $(date +%s) - t0 )) s"
   done
 done
