@@ -276,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
                                     arch, weights)
                 for name in opts.drafter_names}
     if "eagle-readback" in decoders:
-        decoders["eagle-readback"].defer_drafts = False
+        decoders["eagle-readback"].defer_max_batch = 0
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:

@@ -41,7 +41,8 @@ Lossless and reproducible:
 Verification fast path: megatron_tlt.spec.verify_math (`VerifyMath`), taken when it
 covers the step; other steps take the general path (`_verify_general`).
 
-Deferred drafts (`_deferred`, on unless MEGATRON_TLT_SPEC_DEFER=0): when the drafter can
+Deferred drafts (`_deferred`, up to DEFER_MAX_BATCH sequences; MEGATRON_TLT_SPEC_DEFER=0
+turns them off, =N sets the batch limit): when the drafter can
 leave a step's drafts on the device (EAGLE chains on the static-buffer path,
 `Drafter.launch`), every chain is drafted to full depth and the fast path covers the step,
 the verification is prepared on the host with placeholder trees of the chains' shape
@@ -82,6 +83,10 @@ from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_devi
 logger = logging.getLogger(__name__)
 
 DEFER_ENV = "MEGATRON_TLT_SPEC_DEFER"
+DEFER_MAX_BATCH = 16
+"""Deferred drafts by default up to this batch: on the H200 (1.5B target, depth-4 chains,
+benchmarks/results/gpu_2026-12-03_session9) a step took 2-9% less wall than reading the
+drafts back at batch 1, 4 and 16 and ~8% more at batch 32, in each of two runs."""
 
 
 class Drafter:
@@ -208,13 +213,15 @@ class SpecDecoder:
                  policy: Callable[[int], Strategy | None] | None = None,
                  metrics: SpecMetrics | None = None, verify_impl: str | None = None,
                  fast_verify: bool = True, verify_graphs: bool | None = None,
-                 defer_drafts: bool | None = None):
+                 defer_drafts: bool | int | None = None):
         """fast_verify: the static-buffer verification path (`VerifyMath`) for the steps it
         covers (False: every step takes the general path). verify_graphs: replay its math
         from CUDA graphs on a CUDA engine; None: unless MEGATRON_TLT_VERIFY_MATH_GRAPHS=0.
         defer_drafts: steps whose drafter can leave its drafts on the device
         (Drafter.launch) verify them there, with no host round trip in between (see
-        `_deferred`); None: unless MEGATRON_TLT_SPEC_DEFER=0."""
+        `_deferred`): True at any batch size, an int N up to N sequences, False never;
+        None: MEGATRON_TLT_SPEC_DEFER (0 never, N up to N), default up to
+        DEFER_MAX_BATCH."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -224,8 +231,15 @@ class SpecDecoder:
         self.verify_impl = verify_impl
         self.fast_verify = fast_verify
         self.verify_graphs = os.environ.get(GRAPHS_ENV, "1") != "0" if verify_graphs is None else verify_graphs
-        self.defer_drafts = (os.environ.get(DEFER_ENV, "1") != "0" if defer_drafts is None
-                             else defer_drafts)
+        if defer_drafts is None:
+            raw = os.environ.get(DEFER_ENV, str(DEFER_MAX_BATCH))
+            if not raw.isdigit():
+                raise ConfigError(f"{DEFER_ENV} must be 0 (off) or a batch size, got {raw!r}")
+            defer_drafts = int(raw)
+        elif isinstance(defer_drafts, bool):
+            defer_drafts = 1 << 30 if defer_drafts else 0
+        self.defer_max_batch = int(defer_drafts)
+        """Largest batch whose steps verify drafts left on the device (0: never)."""
         self._math: VerifyMath | None = None
         self.num_deferred = 0
         """Steps verified on drafts left on the device (`_deferred`)."""
@@ -329,7 +343,8 @@ class SpecDecoder:
         if cand:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 self.drafter.bind(engine)
-                launched = self.drafter.launch(cand, strategy, caps, seqs) if self.defer_drafts else None
+                launched = (self.drafter.launch(cand, strategy, caps, seqs)
+                            if len(cand) <= self.defer_max_batch else None)
                 if launched is not None:
                     spec = self._deferred(engine, launched)
                     if spec is None:  # not this step: read the drafts back now

@@ -45,7 +45,7 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
 from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
-from megatron_tlt.spec.drafter_kv import SlotKV
+from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV
 from megatron_tlt.spec.eagle_graph import ChainGraphs
 from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
 from megatron_tlt.spec.eagle_graph import fused_pick
@@ -491,6 +491,9 @@ class EagleProposer(Drafter):
         replay per step). None: on a CUDA device unless MEGATRON_TLT_DRAFT_GRAPHS=0;
         True: also on CPU (run eagerly on the static buffers; tests); False: never."""
         self._chain_graphs: ChainGraphs | None = None
+        self.num_eager_steps = 0
+        """Proposals drafted on the eager path (trees, or chains the static path does not
+        serve)."""
 
     # ---- Drafter interface ------------------------------------------------------------
 
@@ -618,6 +621,7 @@ class EagleProposer(Drafter):
         launched = self.launch(seqs, strategy, caps, running)
         if launched is not None:
             return launched.collect()
+        self.num_eager_steps += 1
         builders = [TreeBuilder(s.token_ids[-1], strategy, cap) for s, cap in zip(seqs, caps)]
         # (1) extend over the committed pairs not yet consumed; the last one is the root.
         roots = self._extend(seqs)
@@ -636,11 +640,29 @@ class EagleProposer(Drafter):
     def launch(self, seqs, strategy, caps, running):
         """Chain steps the static-buffer path serves (eagle_graph.ChainGraphs): replayed,
         not yet read back (an eagle_graph.ChainLaunch); None for every other step."""
+        self._catch_up(seqs)
         cg = self.chain_graphs() if self.static_chains is not False else None
         setting = cg.setting(seqs, strategy) if cg is not None else None
         if setting is None:
             return None
         return cg.launch(seqs, strategy, caps, setting)
+
+    def _catch_up(self, seqs) -> None:
+        """Sequences with more committed pairs waiting than a query tile (new ones, one
+        re-prefilled after a preemption) run all but their newest pair through one eager
+        extend first. Why: the static-buffer step extends at most QUERY_TILE pairs per
+        sequence, so one newly admitted sequence sent the whole batch's step down the eager
+        path (~20x the launches) — under continuous batching, at every admission. Every
+        proposal goes through here (propose calls launch), so the eager and the static
+        paths compute the same pairs in the same chunks."""
+        long = []
+        for s in seqs:
+            st = self.states.get(s.seq_id)
+            if (st is not None and st.num_features == len(s.token_ids) - 1
+                    and len(s.token_ids) - 1 - st.num_pairs > QUERY_TILE):
+                long.append(s)
+        if long:
+            self._extend(long, keep_last=True)
 
     def _draft_chains(self, seqs, builders, roots) -> None:
         """Chains of every sequence at once. Per level: pick each live row's token from its

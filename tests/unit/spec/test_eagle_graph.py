@@ -70,13 +70,14 @@ def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=Fals
 def test_static_chains_equal_eager_batched_chains(engines, family, temperature, draft_vocab):
     """5 sequences (bucket 8: three padding rows), caps 4/2/4/3/1, six steps: the static
     path's trees equal the eager path's bit for bit (tokens, parents, torch.equal draft
-    distributions) and the noise streams end at the same draw; it served every step after
-    the first (whose 19 pending pairs exceed a query tile)."""
+    distributions) and the noise streams end at the same draw; it served every step, the
+    first too (its 19 pending pairs, more than a query tile, are caught up by an eager
+    extend of all but the newest first, on both paths: EagleProposer._catch_up)."""
     d = random_eagle(engines[family], seed=4, draft_vocab=draft_vocab)
     temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
     eager, draws_e, n_e = _run(d, temps, lengths, caps, static=False)
     static, draws_s, n_s = _run(d, temps, lengths, caps, static=True)
-    assert n_e == 0 and n_s == len(GROWS) - 1
+    assert n_e == 0 and n_s == len(GROWS)
     assert draws_s == draws_e
     for step, (te, ts) in enumerate(zip(eager, static)):
         for i, (a, b) in enumerate(zip(te, ts)):
@@ -89,8 +90,9 @@ def test_static_chains_equal_eager_batched_chains(engines, family, temperature, 
 
 def test_static_chains_negative_control_and_fallback_rules(engines):
     """Shifting every noise stream by one draw changes the sampled chains (the comparison
-    above can fail); mixed temperatures and more pending pairs than a query tile take the
-    eager path; a non-finite drafter fails the tree exactly as the eager path does."""
+    above can fail); mixed temperatures take the eager path, more pending pairs than a
+    query tile do not (caught up first); a non-finite drafter fails the tree exactly as the
+    eager path does."""
     d = random_eagle(engines["qwen2"], seed=4)
     temps, lengths, caps = [0.9] * 3, [5, 9, 4], [4, 4, 4]
     base, _, _ = _run(d, temps, lengths, caps, static=True)
@@ -99,7 +101,7 @@ def test_static_chains_negative_control_and_fallback_rules(engines):
     _, _, n_mixed = _run(d, [0.0, 0.9, 0.9], lengths, caps, static=True)
     assert n_mixed == 0
     _, _, n_long = _run(d, temps, [30, 30, 30], caps, static=True)
-    assert n_long == len(GROWS) - 1  # only the first step (29 pairs) is eager
+    assert n_long == len(GROWS)  # the first step's 29 pairs: caught up, then static
     bad = random_eagle(engines["qwen2"], seed=4)
     with torch.no_grad():
         bad.fc.weight[0, 0] = float("nan")
@@ -202,3 +204,52 @@ def test_deferred_drafts_nan_drafter_falls_back_as_read_back(spec_models, temper
     assert [r.spec_stats["accepted"] for r in on] == [0] * len(on)
     assert dec_on.metrics.buckets and sum(b.fallbacks for b in dec_on.metrics.buckets.values()) == \
         sum(b.fallbacks for b in dec_off.metrics.buckets.values())
+
+
+def test_admissions_under_continuous_batching_stay_on_the_static_path(spec_models, monkeypatch):
+    """6 requests with prompts longer than a query tile, at most 2 running: every admission
+    brings a sequence with ~20 pending pairs into a running batch. With the catch-up
+    (EagleProposer._catch_up) no proposal takes the eager path, and the tokens equal the
+    eager path's; without it (control) the steps with a newcomer go eager."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    def go(static):
+        engine = make_engine(spec_models["qwen2"], max_num_seqs=2, num_blocks=96)
+        prop = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=128)
+        prop.static_chains = static
+        engine.spec_decoder = SpecDecoder(prop, Strategy(depth=3))
+        reqs = requests(VOCAB["qwen2"], [21, 19, 23, 18, 25, 20], prompt_seed=5, max_new_tokens=9,
+                        temperature=0.8)
+        return engine.generate(reqs), prop
+
+    res_s, prop_s = go(True)
+    res_e, prop_e = go(False)
+    assert prop_s.num_eager_steps == 0 and prop_s._chain_graphs.num_steps > 6
+    assert prop_e.num_eager_steps > 0
+    assert tokens(res_s) == tokens(res_e)
+    assert [r.logprobs for r in res_s] == [r.logprobs for r in res_e]
+    monkeypatch.setattr(EagleProposer, "_catch_up", lambda self, seqs: None)
+    _, prop_c = go(True)
+    assert prop_c.num_eager_steps > 0
+
+
+def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
+    """defer_drafts=N defers steps of at most N drafting sequences (8 requests running
+    together: fewer deferred steps at N=4 than at N=8, same tokens); the environment's
+    setting is read when defer_drafts is None, and a bad value is an error."""
+    from megatron_tlt.errors import ConfigError
+    from megatron_tlt.spec.decode import DEFER_MAX_BATCH, SpecDecoder
+    from megatron_tlt.spec.eagle import EagleProposer as P
+    r4, d4 = _deferred_runs(spec_models, 2, dict(temperature=0.8), 4)
+    r8, d8 = _deferred_runs(spec_models, 2, dict(temperature=0.8), 8)
+    assert d4.num_deferred < d8.num_deferred
+    assert tokens(r4) == tokens(r8)
+    e = make_engine(spec_models["qwen2"])
+    monkeypatch.delenv("MEGATRON_TLT_SPEC_DEFER", raising=False)
+    assert SpecDecoder(P(random_eagle(e))).defer_max_batch == DEFER_MAX_BATCH
+    monkeypatch.setenv("MEGATRON_TLT_SPEC_DEFER", "0")
+    assert SpecDecoder(P(random_eagle(e))).defer_max_batch == 0
+    assert SpecDecoder(P(random_eagle(e)), defer_drafts=True).defer_max_batch >= 1 << 20
+    monkeypatch.setenv("MEGATRON_TLT_SPEC_DEFER", "yes")
+    with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_DEFER"):
+        SpecDecoder(P(random_eagle(e)))
