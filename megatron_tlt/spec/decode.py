@@ -397,12 +397,14 @@ class SpecDecoder:
             return None
         trees = launched.placeholder_trees()
         seqs = launched.seqs
-        if self.verify_math(engine) is None or VerifyMath.plan(seqs, trees, engine.arch.vocab_size) is None:
+        plan = None if self.verify_math(engine) is None else VerifyMath.plan(seqs, trees, engine.arch.vocab_size)
+        if plan is None:
             return None
         q = launched.depth + 1
         if not all(engine.cache.ensure(s.seq_id, s.num_computed + q) for s in seqs):
             return None
         launched.advance_draws()
+        launched.plan = plan
         self.num_deferred += 1
         return list(zip(seqs, trees))
 
@@ -443,12 +445,20 @@ class SpecDecoder:
         trees = [t for _, t in spec]
         vocab = engine.arch.vocab_size
         math = self.verify_math(engine)
-        plan = VerifyMath.plan(seqs, trees, vocab) if math is not None else None
+        if launched is not None:
+            plan = launched.plan  # _deferred's, for these trees
+        else:
+            plan = VerifyMath.plan(seqs, trees, vocab) if math is not None else None
         drafts = None if launched is None else launched.device_tokens()
         if drafts is not None and plan is None:
             raise AssertionError("deferred drafts need the verification fast path")
         probs_out = math.draft_probs_buffer(plan) if plan is not None and plan.mode == "sampled" else None
-        batch = TreeBatch.pack(trees, [len(s.token_ids) - 1 for s in seqs], vocab, probs_out=probs_out)
+        root_pos = [len(s.token_ids) - 1 for s in seqs]
+        if launched is not None:  # placeholder chains of one depth: no per-tree packing
+            batch = TreeBatch.chains([s.token_ids[-1] for s in seqs], root_pos, launched.depth,
+                                     draft_probs=launched.out.get("probs"), probs_out=probs_out)
+        else:
+            batch = TreeBatch.pack(trees, root_pos, vocab, probs_out=probs_out)
         with self._phase("verify_forward", engine.device):
             out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
                                                batch.tree_mask, return_hidden=True,

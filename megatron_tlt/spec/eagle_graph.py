@@ -352,6 +352,9 @@ class ChainLaunch:
     draws: list[int] | None
     """Sampled chains: each noise stream's draw count at launch (the chain's level l used
     draw draws[i] + l)."""
+    plan: object = None
+    """The verification's FastPlan, set by the SpecDecoder that verifies these drafts on
+    the device."""
 
     def collect(self) -> list[DraftTree]:
         """The DraftTrees, as the eager path builds them (one device-to-host copy): a row's
