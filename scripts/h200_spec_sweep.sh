@@ -13,6 +13,8 @@
 #   t09x512    512 prompts (seed 1: not bench spec's) x 2 responses sampled at T=0.9 (the
 #              benchmark's temperature), 240 steps
 #   t09x128    the same at a quarter: 128 prompts (seed 1) x 2, 60 steps (a quick check)
+#   t09x1024   twice t09x512: 1024 prompts (seed 1) x 2, 480 steps (expect about twice
+#              t09x512's 277 s on one H200: a call of its own; not yet run)
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
@@ -41,6 +43,7 @@ recipe() {
     greedy128) echo "--num-prompts 128 --temperature 0 --steps 60 --seed 0 --max-new-tokens 192" ;;
     t09x512) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256" ;;
     t09x128) echo "--num-prompts 128 --n 2 --temperature 0.9 --steps 60 --seed 1 --max-new-tokens 256" ;;
+    t09x1024) echo "--num-prompts 1024 --n 2 --temperature 0.9 --steps 480 --seed 1 --max-new-tokens 256" ;;
     *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
   esac
 }
