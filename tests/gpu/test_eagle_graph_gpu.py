@@ -31,8 +31,8 @@ def model_dir(tmp_path_factory):
 
 def _engine(model_dir, dtype, **kw):
     arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
-    return RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=8, block_size=4,
-                         num_blocks=kw.pop("num_blocks", 64), **kw)
+    return RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=kw.pop("max_num_seqs", 8),
+                         block_size=4, num_blocks=kw.pop("num_blocks", 64), **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -124,3 +124,25 @@ def test_drafter_fast_products_and_norms_match_the_invariant_path(model_dir):
     e.spec_decoder = SpecDecoder(prop, Strategy(depth=3))
     e.generate(reqs)
     assert d.batch_invariant is False  # bound to the engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_admissions_under_continuous_batching_stay_on_the_graphs(model_dir, temperature):
+    """bf16, at most 2 of 6 requests running, prompts longer than a query tile: every
+    admission brings ~20 pending drafter pairs into a running batch; with the catch-up
+    (EagleProposer._catch_up) no proposal goes eager and the tokens and logprobs equal
+    the eager drafter's (which catches up the same way)."""
+    reqs = requests(VOCAB["qwen2"], [21, 19, 23, 18, 25, 20], prompt_seed=5, max_new_tokens=24,
+                    temperature=temperature, seed=3)
+    out = {}
+    for static in (None, False):
+        e = _engine(model_dir, torch.bfloat16, max_num_seqs=2)
+        prop = EagleProposer(random_eagle(e, seed=2))
+        prop.static_chains = static
+        e.spec_decoder = SpecDecoder(prop, Strategy(depth=4), verify_impl="kernel")
+        out[static] = (e.generate(reqs), prop)
+    (rg, pg), (re_, pe) = out[None], out[False]
+    assert pg.chain_graphs().num_replays > 6 and pg.num_eager_steps == 0
+    assert pe.num_eager_steps > 0
+    assert tokens(rg) == tokens(re_)
+    assert [r.logprobs for r in rg] == [r.logprobs for r in re_]
