@@ -404,6 +404,7 @@ class SpecDecoder:
         if not all(engine.cache.ensure(s.seq_id, s.num_computed + q) for s in seqs):
             return None
         launched.advance_draws()
+        launched.queue_failures()
         launched.plan = plan
         self.num_deferred += 1
         return list(zip(seqs, trees))

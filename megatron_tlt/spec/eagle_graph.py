@@ -355,6 +355,15 @@ class ChainLaunch:
     plan: object = None
     """The verification's FastPlan, set by the SpecDecoder that verifies these drafts on
     the device."""
+    _bad_host: torch.Tensor | None = None
+
+    @staticmethod
+    def _drafted(row: list[int], depth: int, levels: int) -> tuple[int, bool]:
+        """(levels drafted before the first non-finite one, whether one was non-finite)
+        of a row of "ints" whose chain stops at `levels`."""
+        finite = row[depth:depth + levels]
+        failed = not all(finite)
+        return (finite.index(0) if failed else levels), failed
 
     def collect(self) -> list[DraftTree]:
         """The DraftTrees, as the eager path builds them (one device-to-host copy): a row's
@@ -365,10 +374,9 @@ class ChainLaunch:
         trees = []
         for r, (s, cap) in enumerate(zip(self.seqs, self.caps)):
             root = s.token_ids[-1]
-            levels, row = min(depth, cap), flat[r]
-            finite = row[depth:depth + levels]
-            failed = not all(finite)
-            toks = row[:finite.index(0) if failed else levels]  # up to the first failed level
+            row = flat[r]
+            n_ok, failed = self._drafted(row, depth, min(depth, cap))
+            toks = row[:n_ok]  # up to the first failed level
             if self.draws is not None:
                 s.rng.draws = self.draws[r] + len(toks)
             if failed:
@@ -409,16 +417,27 @@ class ChainLaunch:
             for s, d0 in zip(self.seqs, self.draws):
                 s.rng.draws = d0 + self.depth
 
+    def queue_failures(self) -> None:
+        """Queue the failed-row flags' copy to the host behind the replay (no sync), for
+        settle."""
+        bad = self.out["bad"][:len(self.seqs)]
+        if bad.is_cuda:
+            self._bad_host = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
+            self._bad_host.copy_(bad, non_blocking=True)
+        else:
+            self._bad_host = bad.clone()
+
     def settle(self) -> list[bool]:
-        """After the verification's device-to-host copy: which rows failed (a non-finite
-        level). A failed row's noise stream is set back to where collect leaves it (the
-        levels drafted before the failure), undoing advance_draws and the verification's
-        draws: the row then decodes plainly exactly as on the collect path."""
-        failed = []
-        for r, (s, row) in enumerate(zip(self.seqs, self.out["ints"][:len(self.seqs)].tolist())):
-            finite = row[self.depth:2 * self.depth]
-            bad = not all(finite)
-            failed.append(bad)
-            if bad and self.draws is not None:
-                s.rng.draws = self.draws[r] + finite.index(0)
+        """After the verification's device-to-host copy (which waited for the flags' copy
+        queued before it): which rows failed (a non-finite level). A failed row's noise
+        stream is set back to where collect leaves it (the levels drafted before the
+        failure), undoing advance_draws and the verification's draws: the row then
+        decodes plainly exactly as on the collect path. The drafts are read back only
+        when a row failed."""
+        failed = self._bad_host.tolist()
+        if any(failed) and self.draws is not None:
+            flat = self.out["ints"][:len(self.seqs)].tolist()
+            for r, s in enumerate(self.seqs):
+                if failed[r]:
+                    s.rng.draws = self.draws[r] + self._drafted(flat[r], self.depth, self.depth)[0]
         return failed
