@@ -147,9 +147,10 @@ class DecodeRunner:
         self.num_steps = 0
         """Decode steps served by this runner."""
         self._vgraphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
-        self._vqs: dict[tuple[int, int], torch.Tensor] = {}
-        self._veye: dict[int, torch.Tensor] = {}  # padding sequences' tree mask per Q
-        self._vbuf: dict[str, torch.Tensor] | None = None
+        self._veye: dict = {}  # padding sequences' tree mask per Q (device; ("host", Q) on the host)
+        self._vstage: dict[tuple[int, int], dict] = {}  # static inputs per verify graph
+        self._vlogits: torch.Tensor | None = None
+        self._vcopy_done = None
         self.num_verify_replays = 0
         """Verify forwards served from a graph."""
         self.sample_graphs = os.environ.get("MEGATRON_TLT_SAMPLE_GRAPHS", "1") != "0"
@@ -265,16 +266,10 @@ class DecodeRunner:
     def verify(self, input_ids: torch.Tensor,  # [B * Q] int64
                positions: torch.Tensor,  # [B * Q] int64
                meta, *, return_hidden: bool = False) -> ForwardOutput:
-        """The speculative verify forward (tree mask) through the fused decode model: the
-        same kernels as a decode step, Q query rows per sequence. With graphs, replayed
-        from a graph per (batch bucket, Q) when bucket x Q <= MAX_VERIFY_GRAPH_ROWS
-        (captured at first use, `_verify_graph`); otherwise eager. The outputs of a
-        replay are views of static buffers, valid until the next verify."""
+        """The speculative verify forward (tree mask) through the fused decode model,
+        eagerly: the same kernels as a decode step, Q query rows per sequence (the graph
+        path is `verify_rows`)."""
         bsz, q = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
-        if self.use_graphs and bsz <= self.max_batch:
-            bucket = self.bucket_for(bsz)
-            if bucket * q <= MAX_VERIFY_GRAPH_ROWS:
-                return self._verify_graph(bucket, q, input_ids, positions, meta, return_hidden)
         arch = self.model.arch
         splits = splits_for(self.cache.k[0], bsz, meta.block_tables.shape[1] * self.cache.block_size,
                             q * (arch.num_heads // arch.num_kv_heads))
@@ -290,31 +285,149 @@ class DecodeRunner:
 
     # ---- verify graphs ----------------------------------------------------------------
 
-    def _verify_buffers(self) -> dict[str, torch.Tensor]:
-        """Static inputs of the verify graphs, flat and sized for MAX_VERIFY_GRAPH_ROWS
-        rows (a graph of (bucket, Q) reads contiguous views of their first entries)."""
-        if self._vbuf is None:
-            rows, dev = MAX_VERIFY_GRAPH_ROWS, self.device
-            self._vbuf = {"ids": torch.zeros(rows, dtype=torch.int64, device=dev),
-                          "pos": torch.zeros(rows, dtype=torch.int64, device=dev),
-                          "slot": torch.full((rows,), -1, dtype=torch.int64, device=dev),
-                          "ctx": torch.ones(rows, dtype=torch.int64, device=dev),
-                          "qs": torch.zeros(rows + 1, dtype=torch.int64, device=dev),
-                          "bt": torch.zeros(rows * self.width, dtype=torch.int64, device=dev),
-                          "mask": torch.zeros(rows * MAX_VERIFY_GRAPH_ROWS, dtype=torch.bool, device=dev),
-                          "logits": torch.empty(rows, self.vocab_size, dtype=torch.float32, device=dev)}
-        return self._vbuf
+    def verify_graph_bucket(self, bsz: int, q: int) -> int | None:
+        """The bucket whose verify graph serves `bsz` sequences of Q query rows, or None
+        (no graphs, or beyond the largest bucket / MAX_VERIFY_GRAPH_ROWS: eager)."""
+        if not self.use_graphs or bsz > self.max_batch:
+            return None
+        bucket = self.bucket_for(bsz)
+        return bucket if bucket * q <= MAX_VERIFY_GRAPH_ROWS else None
 
-    def _verify_views(self, bucket: int, q: int) -> dict[str, torch.Tensor]:
-        b, n = self._verify_buffers(), bucket * q
-        return {"ids": b["ids"][:n], "pos": b["pos"][:n], "slot": b["slot"][:n],
-                "ctx": b["ctx"][:bucket], "qs": b["qs"][:bucket + 1],
-                "bt": b["bt"][:bucket * self.width].view(bucket, self.width),
-                "mask": b["mask"][:bucket * q * q].view(bucket, q, q), "logits": b["logits"][:n]}
+    def verify_rows(self, seqs, q: int, tokens: list[int], positions: list[int],
+                    tree_mask: torch.Tensor,  # [B, Q, Q] bool on the host
+                    *, draft_ids: torch.Tensor | None = None,
+                    return_hidden: bool = False) -> ForwardOutput | None:
+        """The verify forward replayed from the graph of (bucket, Q), its inputs built on
+        the host: token ids and positions ([B * Q] Python ints, sequence-major), each
+        sequence's slots num_computed .. num_computed + Q - 1, context lengths and block
+        tables (rows rewritten only when they changed), and the padding sequences' rows,
+        all written into one pinned staging buffer and sent in one host-to-device copy
+        into the graph's static inputs; the tree mask is sent only when it differs from
+        the one already there (a batch of chains sends it once). draft_ids: [B, Q - 1]
+        int64 on the device, written over each sequence's query tokens after the root.
+        None when no graph serves this shape (`verify_graph_bucket`): use `verify`.
+        The outputs are views of static buffers, valid until the next verify."""
+        bsz = len(seqs)
+        bucket = self.verify_graph_bucket(bsz, q)
+        if bucket is None:
+            return None
+        tree_mask = tree_mask.to("cpu", torch.bool)
+        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
+            self.release()  # the KV pool moved (sleep/wake): every graph is stale
+        st = self._verify_stage(bucket, q)
+        v = st["views"]
+        if (bucket, q) not in self._vgraphs:
+            self._capture_verify(bucket, q, v)
+            st["mask_rows"] = -1  # the capture left padding in the device mask
+        if self._vcopy_done is not None:
+            self._vcopy_done.synchronize()  # the pinned staging buffer may still be read
+        self._verify_host_rows(st, seqs, q, tokens, positions)
+        st["dev"].copy_(st["host"], non_blocking=True)
+        if self.device.type == "cuda":
+            self._vcopy_done = torch.cuda.Event()
+            self._vcopy_done.record()
+        if st["mask_rows"] != bsz or not torch.equal(st["mask_host"][:bsz], tree_mask):
+            full = self._veye_host(q).expand(bucket, q, q).clone()
+            full[:bsz] = tree_mask
+            src = full.pin_memory() if self.device.type == "cuda" else full
+            v["mask"].copy_(src, non_blocking=True)  # pinned block: torch's caching host allocator
+            st["mask_host"], st["mask_rows"] = full, bsz
+        n = bsz * q
+        if draft_ids is not None:
+            if tuple(draft_ids.shape) != (bsz, q - 1) or draft_ids.device != v["ids"].device:
+                raise ValueError(f"verify_rows: draft_ids {tuple(draft_ids.shape)} on {draft_ids.device}, "
+                                 f"expected {(bsz, q - 1)} on {v['ids'].device}")
+            v["ids"].view(bucket, q)[:bsz, 1:] = draft_ids
+        graph, hidden = self._vgraphs[(bucket, q)]
+        graph.replay()
+        self.num_verify_replays += 1
+        logits = v["logits"][:n]
+        if not return_hidden:
+            return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, hidden_final=hidden["final"][:n],
+                             hidden_pre_norm=hidden["pre_norm"][:n])
+
+    def _verify_host_rows(self, st: dict, seqs, q: int, tokens: list[int], positions: list[int]) -> None:
+        """Write one verify's inputs into the staging buffer's host side (numpy views of
+        pinned memory): ids, positions, slots, context lengths of the real rows, block
+        tables where a row's table changed, and `_pad_verify_rows` for the rest."""
+        h, o, w, rows = st["np"], st["off"], self.width, st["tables"]
+        bsz = len(seqs)
+        n = bsz * q
+        h[o["ids"]:o["ids"] + n] = tokens
+        h[o["pos"]:o["pos"] + n] = positions
+        slots, ctx = [], []
+        for i, s in enumerate(seqs):
+            base = s.num_computed
+            slots.extend(self.cache.slot_range(s.seq_id, base, base + q))
+            ctx.append(base + q)
+            table = self.cache.block_table(s.seq_id)
+            if rows[i] != table:
+                if len(table) > w:
+                    raise RuntimeError(f"sequence {s.seq_id} holds {len(table)} blocks, more than "
+                                       f"max_model_len allows ({w})")
+                h[o["bt"] + i * w:o["bt"] + i * w + len(table)] = table
+                rows[i] = table
+        h[o["slot"]:o["slot"] + n] = slots
+        h[o["ctx"]:o["ctx"] + bsz] = ctx
+        self._pad_verify_rows(st, bsz, q)
+
+    def _pad_verify_rows(self, st: dict, bsz: int, q: int) -> None:
+        """Host rows of the padding sequences bsz..bucket-1 (`_fill_verify_padding`'s
+        values: token 0 at position 0, no K/V write, context Q; their tree mask is set
+        with the mask): a larger earlier verify left real slots there."""
+        h, o, bucket = st["np"], st["off"], st["bucket"]
+        n, end = bsz * q, bucket * q
+        h[o["ids"] + n:o["ids"] + end] = 0
+        h[o["pos"] + n:o["pos"] + end] = 0
+        h[o["slot"] + n:o["slot"] + end] = -1
+        h[o["ctx"] + bsz:o["ctx"] + bucket] = q
+
+    def _veye_host(self, q: int) -> torch.Tensor:
+        eye = self._veye.get(("host", q))
+        if eye is None:
+            eye = self._veye[("host", q)] = torch.eye(q, dtype=torch.bool)
+        return eye
+
+    def _verify_logits(self) -> torch.Tensor:
+        """The verify graphs' shared logits output, [MAX_VERIFY_GRAPH_ROWS, vocab] float32."""
+        if self._vlogits is None:
+            self._vlogits = torch.empty(MAX_VERIFY_GRAPH_ROWS, self.vocab_size, dtype=torch.float32,
+                                        device=self.device)
+        return self._vlogits
+
+    def _verify_stage(self, bucket: int, q: int) -> dict:
+        """The static inputs of the verify graph of (bucket, Q): one flat int64 buffer on
+        the device (ids, positions, slots [bucket * Q]; context lengths [bucket]; query
+        starts [bucket + 1]; block tables [bucket, width]) and its pinned host twin, plus
+        the tree mask [bucket, Q, Q] and the host copy of what the device mask holds."""
+        st = self._vstage.get((bucket, q))
+        if st is None:
+            n, w = bucket * q, self.width
+            sizes = {"ids": n, "pos": n, "slot": n, "ctx": bucket, "qs": bucket + 1, "bt": bucket * w}
+            off, at = {}, 0
+            for k, size in sizes.items():
+                off[k] = at
+                at += size
+            pinned = self.device.type == "cuda"
+            host = torch.zeros(at, dtype=torch.int64, pin_memory=pinned)
+            h = host.numpy()
+            h[off["qs"]:off["qs"] + bucket + 1] = range(0, (bucket + 1) * q, q)
+            dev = host.to(self.device) if pinned else host.clone()
+            views = {k: dev[off[k]:off[k] + size] for k, size in sizes.items()}
+            views["bt"] = views["bt"].view(bucket, w)
+            views["mask"] = torch.zeros(bucket, q, q, dtype=torch.bool, device=self.device)
+            views["logits"] = self._verify_logits()[:n]
+            st = self._vstage[(bucket, q)] = {
+                "bucket": bucket, "host": host, "np": h, "dev": dev, "off": off, "views": views,
+                "tables": [None] * bucket, "mask_host": None, "mask_rows": -1}
+            self._pad_verify_rows(st, 0, q)
+        return st
 
     def _fill_verify_padding(self, v: dict[str, torch.Tensor], bsz: int, q: int) -> None:
-        """Rows of padding sequences bsz.. : token 0 at position 0, no K/V write (slot -1),
-        context q (the tree part only), each query seeing only itself."""
+        """Rows of padding sequences bsz.. on the device (the capture's warm-up: every
+        row padding): token 0 at position 0, no K/V write (slot -1), context q (the tree
+        part only), each query seeing only itself."""
         n = bsz * q
         v["ids"][n:] = 0
         v["pos"][n:] = 0
@@ -325,53 +438,12 @@ class DecodeRunner:
             eye = self._veye[q] = torch.eye(q, dtype=torch.bool, device=self.device)
         v["mask"][bsz:] = eye
 
-    def _query_start(self, bucket: int, q: int) -> torch.Tensor:
-        qs = self._vqs.get((bucket, q))
-        if qs is None:
-            qs = self._vqs[(bucket, q)] = torch.arange(bucket + 1, dtype=torch.int64,
-                                                       device=self.device) * q
-        return qs
-
-    def _load_verify_inputs(self, v: dict[str, torch.Tensor], bucket: int, q: int,
-                            input_ids, positions, meta) -> None:
-        """Copy one verify's inputs (device tensors) into the static views; the rows of
-        the bucket's padding sequences get padding values (a larger earlier replay left
-        real slots there)."""
-        bsz, n = meta.tree_mask.shape[0], input_ids.shape[0]
-        v["ids"][:n].copy_(input_ids)
-        v["pos"][:n].copy_(positions)
-        v["slot"][:n].copy_(meta.slot_mapping)
-        v["ctx"][:bsz].copy_(meta.context_lens)
-        v["bt"][:bsz, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        v["mask"][:bsz].copy_(meta.tree_mask)
-        v["qs"].copy_(self._query_start(bucket, q))
-        self._fill_verify_padding(v, bsz, q)
-
     def _verify_forward(self, bucket: int, q: int, v: dict[str, torch.Tensor], hidden: dict) -> None:
         splits = splits_for(self.cache.k[0], bucket, self.width * self.cache.block_size,
                             q * (self.model.arch.num_heads // self.model.arch.num_kv_heads))
         self.model.forward(v["ids"], v["pos"], v["slot"], v["bt"], v["ctx"], self.cache,
                            num_splits=splits, logits_out=v["logits"], query_start=v["qs"],
                            tree_mask=v["mask"], hidden_out=hidden)
-
-    def _verify_graph(self, bucket: int, q: int, input_ids, positions, meta,
-                      return_hidden: bool) -> ForwardOutput:
-        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
-            self.release()  # the KV pool moved (sleep/wake): every graph is stale
-        v = self._verify_views(bucket, q)
-        key = (bucket, q)
-        if key not in self._vgraphs:
-            self._capture_verify(bucket, q, v)
-        n = input_ids.shape[0]
-        self._load_verify_inputs(v, bucket, q, input_ids, positions, meta)
-        graph, hidden = self._vgraphs[key]
-        graph.replay()
-        self.num_verify_replays += 1
-        logits = v["logits"][:n]
-        if not return_hidden:
-            return ForwardOutput(logits=logits)
-        return ForwardOutput(logits=logits, hidden_final=hidden["final"][:n],
-                             hidden_pre_norm=hidden["pre_norm"][:n])
 
     def _capture_verify(self, bucket: int, q: int, v: dict[str, torch.Tensor]) -> None:
         """Capture the verify graph of (bucket, Q) into the shared pool: a warm-up run on a
@@ -383,7 +455,6 @@ class DecodeRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._fill_verify_padding(v, 0, q)
-        v["qs"].copy_(self._query_start(bucket, q))
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -447,8 +518,9 @@ class DecodeRunner:
         self._sgraphs.clear()
         self._served = None
         self._vgraphs.clear()
-        self._vqs.clear()
-        self._vbuf = None
+        self._vstage.clear()
+        self._vlogits = None
+        self._vcopy_done = None
         self._pool = None
         self._logits = None
         self._kv_ptr = None

@@ -460,11 +460,28 @@ class RolloutEngine:
             raise ValueError("verify_forward: every query token must see itself (tree_mask diagonal)")
         if int(positions.max()) >= self.max_model_len:
             raise ValueError(f"verify_forward: position {int(positions.max())} >= max_model_len")
+        for seq in seqs:
+            if not self.cache.ensure(seq.seq_id, seq.num_computed + q):
+                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
+                                   f"{seq.num_computed + q} entries")
+        out = None
+        if self._fused_verify():  # the runner's verify graph, inputs in one host-to-device copy
+            out = self.decode_runner.verify_rows(seqs, q, query_tokens.reshape(-1).tolist(),
+                                                 positions.reshape(-1).tolist(), tree_mask,
+                                                 draft_ids=draft_ids, return_hidden=return_hidden)
+        if out is None:
+            out = self._verify_eager(seqs, query_tokens, positions, tree_mask, return_hidden, draft_ids)
+        for seq in seqs:
+            seq.pending_verify = q
+        return out
+
+    def _verify_eager(self, seqs, query_tokens, positions, tree_mask, return_hidden, draft_ids):
+        """verify_forward_output without a verify graph: metadata in one copy, then the
+        runner's eager fused forward or the generic model forward."""
+        bsz, q = query_tokens.shape
         slots, starts, ctx = [], [0], []
         for seq in seqs:
             base = seq.num_computed
-            if not self.cache.ensure(seq.seq_id, base + q):
-                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for {base + q} entries")
             slots.extend(self.cache.slot_range(seq.seq_id, base, base + q))
             starts.append(starts[-1] + q)
             ctx.append(base + q)
@@ -477,13 +494,9 @@ class RolloutEngine:
                                  f"expected {(bsz, q - 1)} on {ids.device}")
             ids.view(bsz, q)[:, 1:] = draft_ids
         if self._fused_verify():
-            out = self.decode_runner.verify(ids, pos, meta, return_hidden=return_hidden)
-        else:
-            out = self.model.forward(ids, pos, self.cache, meta, logits_indices=None,
-                                     return_hidden=return_hidden)
-        for seq in seqs:
-            seq.pending_verify = q
-        return out
+            return self.decode_runner.verify(ids, pos, meta, return_hidden=return_hidden)
+        return self.model.forward(ids, pos, self.cache, meta, logits_indices=None,
+                                  return_hidden=return_hidden)
 
     def _fused_verify(self) -> bool:
         """Verify through the decode runner's fused kernels (a third of the generic

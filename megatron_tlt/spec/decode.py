@@ -453,12 +453,12 @@ class SpecDecoder:
         drafts = None if launched is None else launched.device_tokens()
         if drafts is not None and plan is None:
             raise AssertionError("deferred drafts need the verification fast path")
-        probs_out = math.draft_probs_buffer(plan) if plan is not None and plan.mode == "sampled" else None
         root_pos = [len(s.token_ids) - 1 for s in seqs]
-        if launched is not None:  # placeholder chains of one depth: no per-tree packing
-            batch = TreeBatch.chains([s.token_ids[-1] for s in seqs], root_pos, launched.depth,
-                                     draft_probs=launched.out.get("probs"), probs_out=probs_out)
+        if launched is not None:  # placeholder chains of one depth: no per-tree packing;
+            # the verification reads the draft distributions in the drafter's buffer
+            batch = TreeBatch.chains([s.token_ids[-1] for s in seqs], root_pos, launched.depth)
         else:
+            probs_out = math.draft_probs_buffer(plan) if plan is not None and plan.mode == "sampled" else None
             batch = TreeBatch.pack(trees, root_pos, vocab, probs_out=probs_out)
         with self._phase("verify_forward", engine.device):
             out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
@@ -467,7 +467,8 @@ class SpecDecoder:
         bsz, q = batch.parents.shape
         with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
             if plan is not None:
-                host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts)
+                host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts,
+                                           draft_probs=None if launched is None else launched.out.get("probs"))
                 width = q
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))

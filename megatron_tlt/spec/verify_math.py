@@ -315,13 +315,26 @@ class VerifyMath:
     def run(self, plan: FastPlan, seqs, trees: list[DraftTree],
             logits: torch.Tensor,  # [B * Q, vocab] the verify forward's logits
             drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+            draft_probs: torch.Tensor | None = None,
             ) -> tuple[list[list[float]], torch.Tensor]:
         """(host rows [B][4Q + 1], accepted nodes' rows of the verify output [B, Q] on the
         device). drafts: chains whose tokens are still on the device (trees of their
         shape with placeholder tokens): ([B, Q - 1] int64 draft ids, [B] bool rows that
-        failed); a failed row is verified as its root alone (valid input, outputs unused)."""
+        failed); a failed row is verified as its root alone (valid input, outputs unused).
+        draft_probs: sampled mode, the draft distributions [>= B, Q, vocab] float32 on
+        the device (rows 0..B-1 used) read where they are (e.g. the chain drafter's static
+        output) instead of from `draft_probs_buffer`; copied there when their shape does
+        not cover the bucket."""
         self._reserve(plan.bucket * plan.q)
         st = self._small(plan.bucket, plan.q)
+        dp = None
+        if draft_probs is not None and plan.mode == "sampled":
+            if (draft_probs.shape[0] >= plan.bucket and tuple(draft_probs.shape[1:]) == (plan.q, self.vocab)
+                    and draft_probs.dtype == torch.float32 and draft_probs.is_contiguous()
+                    and draft_probs.device == self.device):
+                dp = draft_probs[:plan.bucket]
+            else:
+                self._big("_dp", plan.bucket, plan.q)[:plan.batch].copy_(draft_probs[:plan.batch])
         self._load(plan, seqs, trees)
         if drafts is not None:
             tok, bad = drafts
@@ -330,18 +343,19 @@ class VerifyMath:
             ints[:b, 1:q].masked_fill_(bad[:, None], -1)
         src, ptr = self._source(plan, logits)
         if self.use_graphs:
-            key = (plan.mode, plan.bucket, plan.q, ptr, plan.ban)
+            key = (plan.mode, plan.bucket, plan.q, ptr, plan.ban, None if dp is None else dp.data_ptr())
             graph = self._graphs.get(key)
             if graph is None:
-                graph = self._graphs[key] = self._capture(plan, src)
+                graph = self._graphs[key] = self._capture(plan, src, dp)
             graph.replay()
             self.num_replays += 1
         else:
-            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         self.num_steps += 1
         return st["out"][:plan.batch].cpu().tolist(), st["gidx"][:plan.batch]  # the one D2H copy
 
-    def _capture(self, plan: FastPlan, src: torch.Tensor) -> "torch.cuda.CUDAGraph":
+    def _capture(self, plan: FastPlan, src: torch.Tensor,
+                 dp: torch.Tensor | None = None) -> "torch.cuda.CUDAGraph":
         """Warm up on a side stream (first-call initialisation stays out of the graph),
         then capture into the shared pool. Graphs never run concurrently and their outputs
         are our static buffers, so they can share the pool's intermediates."""
@@ -353,11 +367,11 @@ class VerifyMath:
         side = torch.cuda.Stream(dev)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         cur.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban)
+            self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         self.num_captures += 1
         torch.cuda.synchronize(dev)
         self.capture_s += time.perf_counter() - t0
@@ -366,6 +380,7 @@ class VerifyMath:
     def _math(self, mode: str, bucket: int, q: int,
               logits: torch.Tensor,  # [bucket, Q, vocab] float32
               ban: int = 0,  # columns of the ban table (0: no min_new_tokens ban this step)
+              dp: torch.Tensor | None = None,  # [bucket, Q, vocab] draft probs (default: _dp)
               ) -> None:
         """The general path's math (`SpecDecoder._verify_general`) for one mode, on the
         static buffers, with no host sync (capturable)."""
@@ -402,7 +417,10 @@ class VerifyMath:
             # general path takes before the ban)
             scaled = logits.float() / temp[:, None, None]
             probs = _normalised_softmax(banned(scaled))
-            dp = self._big("_dp", bucket, q) if mode == "sampled" else None
+            if mode != "sampled":
+                dp = None
+            elif dp is None:
+                dp = self._big("_dp", bucket, q)
             verify_tree_rejection(parents, tokens, probs, dp, coins, noise, max_depth=q - 1, out=out,
                                   validate=False, impl=self.impl)
         node = out.accept_index.clamp(min=0)

@@ -288,7 +288,6 @@ class _Replay:
 def _static_verify_capture(self, bucket, q, v):
     hidden = {}
     self._fill_verify_padding(v, 0, q)
-    v["qs"].copy_(self._query_start(bucket, q))
     self._verify_forward(bucket, q, v, {})  # the warm-up: all rows padding
 
     def replay():
@@ -305,16 +304,18 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
     graph per (bucket, Q); replay stood in for) == the eager fused verify: logits, hidden
     states and the KV pool, across a 4-sequence verify and then a 3-sequence
     one in the same bucket, whose padding rows still hold the 4th sequence's slots (in
-    between, the roots are committed and a decode step writes new tokens after them).
+    between, the roots are committed and a decode step writes new tokens after them),
+    then the same 3 sequences with a tree mask instead of chains (the static mask is
+    only re-sent when it changes: a stale chain mask would change node 2's logits).
     Control: without re-padding, those stale rows overwrite the 4th sequence's new KV
     with the old drafts', and the comparison must see it."""
     from megatron_tlt.rollout.cuda_graphs import DecodeRunner
     monkeypatch.setattr(RolloutEngine, "_fused_verify", lambda self: self.decode_runner is not None)
     monkeypatch.setattr(DecodeRunner, "_capture_verify", _static_verify_capture)
     if control:
-        fill = DecodeRunner._fill_verify_padding
-        monkeypatch.setattr(DecodeRunner, "_fill_verify_padding",
-                            lambda self, v, bsz, q: fill(self, v, bsz, q) if bsz == 0 else None)
+        fill = DecodeRunner._pad_verify_rows
+        monkeypatch.setattr(DecodeRunner, "_pad_verify_rows",
+                            lambda self, st, bsz, q: fill(self, st, bsz, q) if bsz == 0 else None)
     arch = _arch("qwen3", False)
     w = _weights(arch, seed=6)
     runs = []
@@ -329,12 +330,15 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
         eng.decode_runner.use_graphs = static  # verify through the static path from here
         g = torch.Generator().manual_seed(0)
         got = []
-        for n, q in ((4, 3), (3, 3)):
-            chain = torch.ones(q, q, dtype=torch.bool).tril()
-            mask = chain.expand(n, q, q)
+        for n, q, tree in ((4, 3, False), (3, 3, False), (3, 3, True)):
+            mask = torch.ones(q, q, dtype=torch.bool).tril()
+            depth = torch.arange(q)
+            if tree:  # nodes 1 and 2 both children of the root
+                mask[2, 1], depth = False, torch.tensor([0, 1, 1])
+            mask = mask.expand(n, q, q)
             base = torch.tensor([s.num_computed for s in seqs[:n]])[:, None]
             tokens = torch.randint(0, 300, (n, q), generator=g)
-            o = eng.verify_forward_output(seqs[:n], tokens, base + torch.arange(q), mask, return_hidden=True)
+            o = eng.verify_forward_output(seqs[:n], tokens, base + depth, mask, return_hidden=True)
             got.append((o.logits.clone(), o.hidden_final.clone()))
             if n == 4:  # keep the roots only, then a plain decode step of new tokens
                 for s in seqs:
@@ -345,7 +349,7 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
                 eng.decode_runner.use_graphs = static
         runs.append((got, eng.cache.k[1].clone(), eng.decode_runner))
     (s_out, s_k, s_runner), (e_out, e_k, e_runner) = runs
-    assert s_runner.num_verify_graphs == 1 and s_runner.num_verify_replays == 2
+    assert s_runner.num_verify_graphs == 1 and s_runner.num_verify_replays == 3
     assert e_runner.num_verify_replays == 0
     for a, b in zip(s_out, e_out):
         for x, y in zip(a, b):

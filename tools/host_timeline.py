@@ -1,0 +1,243 @@
+"""Where the host's time goes inside an engine step, without adding any synchronisation:
+wraps the step's functions with perf_counter stamps (inclusive wall per call) and counts
+the time the host spends blocked in device-to-host reads (`Tensor.cpu`, `.tolist`,
+`.item`), on a random-weight model of a benchmark shape, plain decoding and EAGLE
+(random one-layer drafter, chain depth 4, deferred drafts where the decoder takes them).
+
+    python tools/host_timeline.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
+
+Per batch size and mode: engine steps, wall ms per step, and per wrapped function the
+calls per step and the inclusive host ms per step. `blocked_in_reads` is host time waiting
+for the device; wall minus it is the host's own work, which the device waits for whenever
+it is not overlapped with queued kernels (after a blocking read nothing is queued, so
+the work between that read and the next launch is on the critical path:
+`after_sync_until_next_launch`). Random weights: acceptance is meaningless; the step's
+shape (full-depth chains) is what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from megatron_tlt.bench import SHAPES, random_weights
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
+from megatron_tlt.rollout.request import Request
+from megatron_tlt.rollout.sampling import SamplingParams
+
+WRAPPED = [
+    "megatron_tlt.rollout.engine:RolloutEngine.step",
+    "megatron_tlt.rollout.scheduler:Scheduler.schedule",
+    "megatron_tlt.rollout.engine:RolloutEngine.forward_pending",
+    "megatron_tlt.rollout.engine:RolloutEngine.sample_and_append",
+    "megatron_tlt.rollout.engine:RolloutEngine.verify_forward_output",
+    "megatron_tlt.rollout.engine:RolloutEngine._metadata",
+    "megatron_tlt.rollout.engine:RolloutEngine.append_token",
+    "megatron_tlt.rollout.engine:RolloutEngine.commit_kv",
+    "megatron_tlt.rollout.cuda_graphs:DecodeRunner.verify",
+    "megatron_tlt.rollout.cuda_graphs:DecodeRunner.decode",
+    "megatron_tlt.spec.decode:SpecDecoder.step",
+    "megatron_tlt.spec.decode:SpecDecoder._deferred",
+    "megatron_tlt.spec.decode:SpecDecoder._verify",
+    "megatron_tlt.spec.decode:SpecDecoder._track",
+    "megatron_tlt.spec.eagle:EagleProposer.launch",
+    "megatron_tlt.spec.eagle:EagleProposer.observe",
+    "megatron_tlt.spec.eagle:EagleProposer._catch_up",
+    "megatron_tlt.spec.eagle_graph:ChainGraphs.launch",
+    "megatron_tlt.spec.eagle_graph:ChainGraphs.setting",
+    "megatron_tlt.spec.eagle_graph:ChainGraphs._run",
+    "megatron_tlt.spec.eagle_graph:ChainLaunch.placeholder_trees",
+    "megatron_tlt.spec.eagle_graph:ChainLaunch.advance_draws",
+    "megatron_tlt.spec.eagle_graph:ChainLaunch.queue_failures",
+    "megatron_tlt.spec.eagle_graph:ChainLaunch.settle",
+    "megatron_tlt.spec.verify_math:VerifyMath.plan",
+    "megatron_tlt.spec.verify_math:VerifyMath.run",
+    "megatron_tlt.spec.verify_math:VerifyMath._load",
+    "megatron_tlt.spec.tree:TreeBatch.chains",
+    "torch.cuda.graphs:CUDAGraph.replay",
+]
+READS = ("cpu", "tolist", "item")
+
+
+class Timeline:
+    def __init__(self):
+        self.incl = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.blocked = 0.0
+        self.last_read_end = None
+        self.after_sync = 0.0  # host time from a blocking read's end to the next graph launch
+        self.undo = []
+        self.gc_s = [0.0, 0.0, 0.0]  # seconds in garbage collection, per generation
+        self.gc_n = [0, 0, 0]
+        self._gc_t0 = None
+
+    def reset(self):
+        self.incl.clear()
+        self.calls.clear()
+        self.blocked = self.after_sync = 0.0
+        self.last_read_end = None
+        self.gc_s = [0.0, 0.0, 0.0]
+        self.gc_n = [0, 0, 0]
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            g = info["generation"]
+            self.gc_s[g] += time.perf_counter() - self._gc_t0
+            self.gc_n[g] += 1
+            self._gc_t0 = None
+
+    def install(self):
+        gc.callbacks.append(self._gc)
+        for spec in WRAPPED:
+            mod, qual = spec.split(":")
+            cls_name, meth = qual.split(".")
+            try:
+                cls = getattr(importlib.import_module(mod), cls_name)
+            except (ImportError, AttributeError):
+                continue
+            orig = cls.__dict__.get(meth)
+            if orig is None:
+                continue
+            is_static = isinstance(orig, staticmethod)
+            is_class = isinstance(orig, classmethod)
+            fn = orig.__func__ if (is_static or is_class) else orig
+            name = f"{cls_name}.{meth}"
+            wrapper = self._wrap(fn, name, launch=name == "CUDAGraph.replay")
+            new = staticmethod(wrapper) if is_static else classmethod(wrapper) if is_class else wrapper
+            setattr(cls, meth, new)
+            self.undo.append((cls, meth, orig))
+        for meth in READS:
+            orig = getattr(torch.Tensor, meth)
+            setattr(torch.Tensor, meth, self._wrap_read(orig))
+            self.undo.append((torch.Tensor, meth, orig))
+
+    def uninstall(self):
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+        for cls, meth, orig in reversed(self.undo):
+            setattr(cls, meth, orig)
+        self.undo.clear()
+
+    def _wrap(self, fn, name, launch=False):
+        tl = self
+
+        @functools.wraps(fn)
+        def w(*a, **k):
+            t0 = time.perf_counter()
+            if launch and tl.last_read_end is not None:
+                tl.after_sync += t0 - tl.last_read_end
+                tl.last_read_end = None
+            try:
+                return fn(*a, **k)
+            finally:
+                tl.incl[name] += time.perf_counter() - t0
+                tl.calls[name] += 1
+        return w
+
+    def _wrap_read(self, orig):
+        tl = self
+
+        def w(self_, *a, **k):
+            dev = self_.device.type
+            t0 = time.perf_counter()
+            try:
+                return orig(self_, *a, **k)
+            finally:
+                if dev == "cuda":
+                    t1 = time.perf_counter()
+                    tl.blocked += t1 - t0
+                    tl.last_read_end = t1
+                    tl.calls["device_reads"] += 1
+        return w
+
+
+def _requests(tag, prompts, temperature, new):
+    return [Request(prompt_id=f"{tag}-{i}", prompt_token_ids=p,
+                    sampling_params=SamplingParams(temperature=temperature, max_new_tokens=new,
+                                                   min_new_tokens=new, seed=0))
+            for i, p in enumerate(prompts)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=96)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    from megatron_tlt.spec.decode import SpecDecoder
+    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
+    from megatron_tlt.spec.tree import Strategy
+
+    arch = ModelArch(**SHAPES[a.shape])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = random_weights(arch, dtype=dt, device=dev, seed=0)
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    max_b = max(sizes)
+    page = 16
+    max_len = a.prompt_len + a.new + 16
+    engine = RolloutEngine(arch, w, max_num_seqs=max_b, block_size=page,
+                           num_blocks=max_b * (-(-max_len // page)) + 8, dtype=dt,
+                           device=dev, max_model_len=max_len, eos_token_ids=(), seed=0,
+                           **fast_path_options(dev))
+    cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
+    drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
+    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (a.prompt_len,), generator=g).tolist() for _ in range(max_b)]
+    tl = Timeline()
+    report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev), "results": []}
+    for b in sizes:
+        for mode, dec in (("off", None), ("eagle", decoder)):
+            engine.spec_decoder = dec
+            engine.generate(_requests(f"warm-{mode}-{b}", prompts[:b], a.temperature, a.new))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            tl.reset()
+            tl.install()
+            try:
+                t0 = time.perf_counter()
+                engine.generate(_requests(f"t-{mode}-{b}", prompts[:b], a.temperature, a.new))
+                wall = time.perf_counter() - t0
+            finally:
+                tl.uninstall()
+            steps = max(tl.calls.get("RolloutEngine.step", 1), 1)
+            row = {"batch": b, "mode": mode, "engine_steps": steps,
+                   "wall_ms_per_step": 1e3 * wall / steps,
+                   "blocked_in_reads_ms_per_step": 1e3 * tl.blocked / steps,
+                   "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
+                   "deferred_steps": getattr(dec, "num_deferred", None),
+                   "gc_collections": list(tl.gc_n),
+                   "gc_ms_per_step": 1e3 * sum(tl.gc_s) / steps,
+                   "functions": {k: {"calls_per_step": round(tl.calls[k] / steps, 2),
+                                     "ms_per_step": round(1e3 * v / steps, 4)}
+                                 for k, v in sorted(tl.incl.items(), key=lambda kv: -kv[1])}}
+            row["functions"]["device_reads"] = {"calls_per_step": round(tl.calls["device_reads"] / steps, 2)}
+            report["results"].append(row)
+            print(f"B={b} {mode}: {row['wall_ms_per_step']:.3f} ms/step over {steps} steps, "
+                  f"blocked in reads {row['blocked_in_reads_ms_per_step']:.3f}, "
+                  f"read -> next graph launch {row['after_sync_until_next_launch_ms_per_step']:.3f}, "
+                  f"gc {row['gc_ms_per_step']:.3f} ({tl.gc_n} collections per generation)")
+            for k, v in row["functions"].items():
+                if "ms_per_step" in v:
+                    print(f"    {k:42s} {v['calls_per_step']:7.2f} calls  {v['ms_per_step']:8.4f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
