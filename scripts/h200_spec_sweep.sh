@@ -23,6 +23,10 @@
 # (default "eagle,eagle-readback") instead of SWEEP_MODES.
 # SWEEP_BENCH_ARGS: more bench spec flags (e.g. --continuous); SWEEP_TAG: a suffix of the
 # bench outputs' names (so a second sweep with other flags does not skip as done).
+# BENCH_PYTHONPATH: a directory put first on PYTHONPATH for the bench runs only (an older
+# revision's megatron_tlt + csrc, `git archive REV megatron_tlt csrc | tar -x -C DIR`, to
+# measure two revisions on the same target and drafter); BENCH_GIT_REV: its revision,
+# recorded in the bench JSON (MEGATRON_TLT_GIT_REV).
 # An SFT still running in the background (h200_gpu_checks.sh) is waited for, up to
 # WAIT_SFT seconds (default 300).
 set -euo pipefail
@@ -68,6 +72,8 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
     modes=${SWEEP_MODES:-eagle}
     [ "${SWEEP_AB:-}" = "$d:$k" ] && modes=${SWEEP_AB_MODES:-eagle,eagle-readback}
     # shellcheck disable=SC2086
+    PYTHONPATH="${BENCH_PYTHONPATH:+$BENCH_PYTHONPATH:}${PYTHONPATH:-}" \
+    MEGATRON_TLT_GIT_REV="${BENCH_GIT_REV:-${MEGATRON_TLT_GIT_REV:-}}" \
     $PY -m megatron_tlt bench spec --json "$json" --model "$OUT/sft/hf" --drafter "$OUT/drafter_$d" \
         --drafters "$modes" --batch-sizes "${SWEEP_BATCHES:-1,4,16,32}" --temperature 0.9 \
         --max-new-tokens 256 --ignore-eos --tasks arith,sort --spec-depth "$k" \

@@ -6,8 +6,10 @@ the time the host spends blocked in device-to-host reads (`Tensor.cpu`, `.tolist
 
     python tools/host_timeline.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
 
-Per batch size and mode: engine steps, wall ms per step, and per wrapped function the
-calls per step and the inclusive host ms per step. `blocked_in_reads` is host time waiting
+Per batch size and mode: the wall ms per engine step of a run without the wrappers
+(`unwrapped_ms_per_step`: the number to compare), then, over a wrapped run (the wrappers
+add their own cost), per wrapped function the calls per step and the inclusive host ms
+per step. `blocked_in_reads` is host time waiting
 for the device; wall minus it is the host's own work, which the device waits for whenever
 it is not overlapped with queued kernels (after a blocking read nothing is queued, so
 the work between that read and the next launch is on the critical path:
@@ -176,7 +178,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--json", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from megatron_tlt.spec.decode import SpecDecoder
     from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
     from megatron_tlt.spec.tree import Strategy
@@ -206,6 +211,12 @@ def main() -> None:
             engine.generate(_requests(f"warm-{mode}-{b}", prompts[:b], a.temperature, a.new))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+            t0 = time.perf_counter()  # unwrapped first: the step's real wall
+            engine.generate(_requests(f"u-{mode}-{b}", prompts[:b], a.temperature, a.new))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            plain_wall = time.perf_counter() - t0
+            plain_steps = max(len(engine.step_log), 1)
             tl.reset()
             tl.install()
             try:
@@ -216,6 +227,7 @@ def main() -> None:
                 tl.uninstall()
             steps = max(tl.calls.get("RolloutEngine.step", 1), 1)
             row = {"batch": b, "mode": mode, "engine_steps": steps,
+                   "unwrapped_ms_per_step": 1e3 * plain_wall / plain_steps,
                    "wall_ms_per_step": 1e3 * wall / steps,
                    "blocked_in_reads_ms_per_step": 1e3 * tl.blocked / steps,
                    "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
@@ -227,7 +239,8 @@ def main() -> None:
                                  for k, v in sorted(tl.incl.items(), key=lambda kv: -kv[1])}}
             row["functions"]["device_reads"] = {"calls_per_step": round(tl.calls["device_reads"] / steps, 2)}
             report["results"].append(row)
-            print(f"B={b} {mode}: {row['wall_ms_per_step']:.3f} ms/step over {steps} steps, "
+            print(f"B={b} {mode}: {row['unwrapped_ms_per_step']:.3f} ms/step unwrapped; wrapped "
+                  f"{row['wall_ms_per_step']:.3f} ms/step over {steps} steps, "
                   f"blocked in reads {row['blocked_in_reads_ms_per_step']:.3f}, "
                   f"read -> next graph launch {row['after_sync_until_next_launch_ms_per_step']:.3f}, "
                   f"gc {row['gc_ms_per_step']:.3f} ({tl.gc_n} collections per generation)")

@@ -206,7 +206,8 @@ class DecodeRunner:
             host[n:bucket, :_NCOL] = self._pad
         self._meta[:bucket].copy_(host[:bucket], non_blocking=True)
         if self.device.type == "cuda":
-            self._copy_done = torch.cuda.Event()
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
             self._copy_done.record()
         return bucket
 
@@ -295,7 +296,7 @@ class DecodeRunner:
 
     def verify_rows(self, seqs, q: int, tokens: list[int], positions: list[int],
                     tree_mask: torch.Tensor,  # [B, Q, Q] bool on the host
-                    *, draft_ids: torch.Tensor | None = None,
+                    *, draft_ids: torch.Tensor | None = None, mask_key: str | None = None,
                     return_hidden: bool = False) -> ForwardOutput | None:
         """The verify forward replayed from the graph of (bucket, Q), its inputs built on
         the host: token ids and positions ([B * Q] Python ints, sequence-major), each
@@ -303,7 +304,9 @@ class DecodeRunner:
         tables (rows rewritten only when they changed), and the padding sequences' rows,
         all written into one pinned staging buffer and sent in one host-to-device copy
         into the graph's static inputs; the tree mask is sent only when it differs from
-        the one already there (a batch of chains sends it once). draft_ids: [B, Q - 1]
+        the one already there (a batch of chains sends it once; mask_key names a mask
+        that is always the same for one B and Q, e.g. "chain": then not even compared).
+        draft_ids: [B, Q - 1]
         int64 on the device, written over each sequence's query tokens after the root.
         None when no graph serves this shape (`verify_graph_bucket`): use `verify`.
         The outputs are views of static buffers, valid until the next verify."""
@@ -323,15 +326,21 @@ class DecodeRunner:
             self._vcopy_done.synchronize()  # the pinned staging buffer may still be read
         self._verify_host_rows(st, seqs, q, tokens, positions)
         st["dev"].copy_(st["host"], non_blocking=True)
-        if self.device.type == "cuda":
-            self._vcopy_done = torch.cuda.Event()
+        if self.device.type == "cuda":  # one event, recorded again: the staging's last copy
+            if self._vcopy_done is None:
+                self._vcopy_done = torch.cuda.Event()
             self._vcopy_done.record()
-        if st["mask_rows"] != bsz or not torch.equal(st["mask_host"][:bsz], tree_mask):
+        same = st["mask_rows"] == bsz and (
+            (mask_key is not None and st["mask_key"] == mask_key)
+            or torch.equal(st["mask_host"][:bsz], tree_mask))
+        if not same:
             full = self._veye_host(q).expand(bucket, q, q).clone()
             full[:bsz] = tree_mask
             src = full.pin_memory() if self.device.type == "cuda" else full
             v["mask"].copy_(src, non_blocking=True)  # pinned block: torch's caching host allocator
-            st["mask_host"], st["mask_rows"] = full, bsz
+            st["mask_host"], st["mask_rows"], st["mask_key"] = full, bsz, mask_key
+        elif mask_key is not None:
+            st["mask_key"] = mask_key  # the same content, now known by its name
         n = bsz * q
         if draft_ids is not None:
             if tuple(draft_ids.shape) != (bsz, q - 1) or draft_ids.device != v["ids"].device:
@@ -420,7 +429,8 @@ class DecodeRunner:
             views["logits"] = self._verify_logits()[:n]
             st = self._vstage[(bucket, q)] = {
                 "bucket": bucket, "host": host, "np": h, "dev": dev, "off": off, "views": views,
-                "tables": [None] * bucket, "mask_host": None, "mask_rows": -1}
+                "tables": [None] * bucket, "mask_host": None, "mask_rows": -1,
+                "mask_key": None}
             self._pad_verify_rows(st, 0, q)
         return st
 
@@ -592,7 +602,8 @@ class DecodeRunner:
             host[n:bucket] = self._spad
         self._sin[:bucket].copy_(host[:bucket], non_blocking=True)
         if self.device.type == "cuda":
-            self._scopy_done = torch.cuda.Event()
+            if self._scopy_done is None:
+                self._scopy_done = torch.cuda.Event()
             self._scopy_done.record()
         if self.use_graphs:
             self._sample_graph(bucket).replay()

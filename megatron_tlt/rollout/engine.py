@@ -36,7 +36,7 @@ import torch
 from megatron_tlt.errors import ConfigError, TLTError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.attention import AttentionMetadata, make_backend
-from megatron_tlt.rollout.host import int64_tensor, to_device
+from megatron_tlt.rollout.host import int64_tensor, limit_host_threads, to_device
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
@@ -89,8 +89,12 @@ class RolloutEngine:
         spec_decoder: a megatron_tlt.spec.decode.SpecDecoder (None: plain decoding).
         cuda_graphs: decode steps replay CUDA graphs (needs attention_backend="triton" on
             CUDA); cuda_graph_batch_sizes: the graph buckets (default 1, 2, 4, ..., 128).
+        On a CUDA device the process's torch intra-op CPU threads are set to one
+        (rollout.host.limit_host_threads; MEGATRON_TLT_HOST_THREADS overrides).
         """
         device = torch.device(device)
+        if device.type == "cuda":
+            limit_host_threads()
         if weights.dtype != dtype:
             raise ConfigError(f"engine dtype {dtype} differs from the weights' dtype {weights.dtype}")
         if weights.device.type != device.type:
@@ -139,6 +143,7 @@ class RolloutEngine:
         self.spec_decoder = spec_decoder
         self._spec_strategy = None  # per-generate-call override of the decoder's policy
         self.num_appended = 0
+        self._chain_masks: dict[tuple[int, int], torch.Tensor] = {}  # causal [B, Q, Q] masks
         """Tokens appended by this engine so far (all requests, all calls)."""
         self.step_log: list[tuple[int, float]] = []
         """(sequences the step ran, wall seconds) of every step of the last generate call:
@@ -471,6 +476,40 @@ class RolloutEngine:
                                                  draft_ids=draft_ids, return_hidden=return_hidden)
         if out is None:
             out = self._verify_eager(seqs, query_tokens, positions, tree_mask, return_hidden, draft_ids)
+        for seq in seqs:
+            seq.pending_verify = q
+        return out
+
+    def verify_chains_output(self, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor,
+                             *, return_hidden: bool = False) -> ForwardOutput:
+        """verify_forward_output of chains of `depth` drafts after each sequence's last
+        token, the drafts [B, depth] int64 already on the device (SpecDecoder's deferred
+        step): the query tokens, positions and causal chain mask are built here, as
+        Python lists for the runner's verify graph (no tensor ops on the host)."""
+        bsz, q = len(seqs), depth + 1
+        mask = self._chain_masks.get((bsz, q))
+        if mask is None:
+            mask = self._chain_masks[(bsz, q)] = torch.ones(q, q, dtype=torch.bool).tril().expand(bsz, q, q)
+        tokens, positions = [], []
+        pad = [0] * depth
+        for s in seqs:
+            root = len(s.token_ids) - 1
+            tokens.append(s.token_ids[-1])
+            tokens.extend(pad)
+            positions.extend(range(root, root + q))
+        if max(positions) >= self.max_model_len:
+            raise ValueError(f"verify_forward: position {max(positions)} >= max_model_len")
+        for seq in seqs:
+            if not self.cache.ensure(seq.seq_id, seq.num_computed + q):
+                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
+                                   f"{seq.num_computed + q} entries")
+        out = None
+        if self._fused_verify():
+            out = self.decode_runner.verify_rows(seqs, q, tokens, positions, mask, mask_key="chain",
+                                                 draft_ids=draft_ids, return_hidden=return_hidden)
+        if out is None:
+            out = self._verify_eager(seqs, int64_tensor(tokens).view(bsz, q),
+                                     int64_tensor(positions).view(bsz, q), mask, return_hidden, draft_ids)
         for seq in seqs:
             seq.pending_verify = q
         return out

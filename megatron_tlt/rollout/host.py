@@ -3,8 +3,38 @@ while the device waits for its inputs)."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+HOST_THREADS_ENV = "MEGATRON_TLT_HOST_THREADS"
+
+
+def limit_host_threads() -> int:
+    """One intra-op CPU thread for a process whose engine runs on a GPU, unless
+    MEGATRON_TLT_HOST_THREADS (a number; 0 = leave torch's setting) or OMP_NUM_THREADS says
+    otherwise; returns the thread count in force. Why: the engine's per-step host work is
+    hundreds of tiny CPU tensor ops and copies, for which torch's thread pool (one thread
+    per core by default) only adds wake-ups and spinning; on the H200 machine (16 cores)
+    the speculative step's own host time fell from 1.71 to 1.24 ms at batch 1 with one
+    thread (tools/host_timeline.py, benchmarks/results/gpu_2026-12-03_session10). The
+    same as vLLM's workers, which set one OpenMP thread unless told otherwise."""
+    raw = os.environ.get(HOST_THREADS_ENV)
+    if raw is None and "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    n = 1 if raw is None else int(raw) if raw.isdigit() else -1
+    if n < 0:
+        from megatron_tlt.errors import ConfigError
+        raise ConfigError(f"{HOST_THREADS_ENV} must be a number of threads (0: leave torch's), got {raw!r}")
+    if n and torch.get_num_threads() != n:
+        logger.info("torch intra-op CPU threads %d -> %d for the GPU engine's host work "
+                    "(%s / OMP_NUM_THREADS to change)", torch.get_num_threads(), n, HOST_THREADS_ENV)
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def int64_tensor(values) -> torch.Tensor:

@@ -453,18 +453,20 @@ class SpecDecoder:
         drafts = None if launched is None else launched.device_tokens()
         if drafts is not None and plan is None:
             raise AssertionError("deferred drafts need the verification fast path")
-        root_pos = [len(s.token_ids) - 1 for s in seqs]
-        if launched is not None:  # placeholder chains of one depth: no per-tree packing;
-            # the verification reads the draft distributions in the drafter's buffer
-            batch = TreeBatch.chains([s.token_ids[-1] for s in seqs], root_pos, launched.depth)
+        if launched is not None:  # chains of one depth, drafts on the device: no tree batch
+            # (the verification reads the draft distributions in the drafter's buffer)
+            batch = None
+            with self._phase("verify_forward", engine.device):
+                out = engine.verify_chains_output(seqs, launched.depth, drafts[0], return_hidden=True)
+            bsz, q = len(seqs), launched.depth + 1
         else:
+            root_pos = [len(s.token_ids) - 1 for s in seqs]
             probs_out = math.draft_probs_buffer(plan) if plan is not None and plan.mode == "sampled" else None
             batch = TreeBatch.pack(trees, root_pos, vocab, probs_out=probs_out)
-        with self._phase("verify_forward", engine.device):
-            out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
-                                               batch.tree_mask, return_hidden=True,
-                                               draft_ids=None if drafts is None else drafts[0])
-        bsz, q = batch.parents.shape
+            with self._phase("verify_forward", engine.device):
+                out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
+                                                   batch.tree_mask, return_hidden=True)
+            bsz, q = batch.parents.shape
         with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
             if plan is not None:
                 host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts,

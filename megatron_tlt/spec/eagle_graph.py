@@ -58,7 +58,6 @@ import time
 
 import torch
 
-from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.sampling import exponential_noise, has_triton
 from megatron_tlt.spec.drafter_kv import QUERY_TILE
 from megatron_tlt.spec.sampling_ref import process_logits
@@ -144,6 +143,11 @@ class ChainGraphs:
                 "host": torch.zeros(bucket, _NCOL, dtype=torch.int64, pin_memory=pin),
                 "ints": torch.zeros(bucket, _NCOL, dtype=torch.int64, device=dev),
                 "feats": torch.zeros(bucket * QUERY_TILE, d.arch.hidden_size, dtype=p0.dtype, device=dev),
+                # the feature rows' destinations (pinned host twin: no staging allocation)
+                "dest_host": torch.zeros(bucket * QUERY_TILE, dtype=torch.int64, pin_memory=pin),
+                "dest": torch.zeros(bucket * QUERY_TILE, dtype=torch.int64, device=dev),
+                # the failed-row flags read back after the verification (ChainLaunch.settle)
+                "bad_host": torch.zeros(bucket, dtype=torch.bool, pin_memory=pin),
             }
         return b
 
@@ -205,22 +209,27 @@ class ChainGraphs:
             pieces.extend(st.pending)
         host = buf["host"]
         host.numpy()[:] = rows  # converted straight into the pinned buffer
+        m = len(dest)
+        buf["dest_host"].numpy()[:m] = dest
         ints, feats = buf["ints"], buf["feats"]
         ints.copy_(host, non_blocking=True)
-        if host.is_pinned():
-            self._copy_done = torch.cuda.Event()
+        idx = buf["dest"][:m]
+        idx.copy_(buf["dest_host"][:m], non_blocking=True)
+        if ints.is_cuda:  # one event, recorded again each step: the host buffers' last copy
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
             self._copy_done.record()
         feats.zero_()
         src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
-        feats.index_copy_(0, to_device(int64_tensor(dest), feats.device),
-                          src.to(feats.device, feats.dtype))
+        feats.index_copy_(0, idx, src.to(feats.device, feats.dtype))
         out = self._run(bucket, depth, setting, buf)
         self.num_steps += 1
         for s, st in zip(seqs, states):
             st.num_pairs = len(s.token_ids) - 1
             st.pending = []
         draws = [s.rng.draws for s in seqs] if sampled else None
-        return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=depth, out=out, draws=draws)
+        return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=depth, out=out, draws=draws,
+                           _bad_host=buf["bad_host"][:n_seq])
 
     def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
         if not self.use_graphs:
@@ -397,12 +406,11 @@ class ChainLaunch:
     def placeholder_trees(self) -> list[DraftTree]:
         """Chains of full depth with token 0 at every draft node (the drafts themselves
         are `device_tokens`) and, sampled, the device's draft distributions."""
-        d = self.depth
+        d, n = self.depth, len(self.seqs)
         parents = list(range(-1, d))
-        sampled = self.draws is not None
-        return [DraftTree([s.token_ids[-1]] + [0] * d, parents,
-                          self.out["probs"][r, :d + 1] if sampled else None)
-                for r, s in enumerate(self.seqs)]
+        probs = self.out["probs"][:n, :d + 1].unbind(0) if self.draws is not None else [None] * n
+        pad = [0] * d
+        return [DraftTree([s.token_ids[-1]] + pad, parents, p) for s, p in zip(self.seqs, probs)]
 
     def device_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, D] int64 drafted target ids, failed rows 0; [B] bool failed rows), on the
@@ -419,13 +427,10 @@ class ChainLaunch:
 
     def queue_failures(self) -> None:
         """Queue the failed-row flags' copy to the host behind the replay (no sync), for
-        settle."""
+        settle: into ChainGraphs' pinned buffer (the previous step read it back before
+        this step's launch)."""
         bad = self.out["bad"][:len(self.seqs)]
-        if bad.is_cuda:
-            self._bad_host = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
-            self._bad_host.copy_(bad, non_blocking=True)
-        else:
-            self._bad_host = bad.clone()
+        self._bad_host.copy_(bad, non_blocking=bad.is_cuda)
 
     def settle(self) -> list[bool]:
         """After the verification's device-to-host copy (which waited for the flags' copy

@@ -306,7 +306,9 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
     one in the same bucket, whose padding rows still hold the 4th sequence's slots (in
     between, the roots are committed and a decode step writes new tokens after them),
     then the same 3 sequences with a tree mask instead of chains (the static mask is
-    only re-sent when it changes: a stale chain mask would change node 2's logits).
+    only re-sent when it changes: a stale chain mask would change node 2's logits), then
+    twice through verify_chains_output (drafts given as a tensor, the named chain mask:
+    re-sent after the tree's, then kept).
     Control: without re-padding, those stale rows overwrite the 4th sequence's new KV
     with the old drafts', and the comparison must see it."""
     from megatron_tlt.rollout.cuda_graphs import DecodeRunner
@@ -330,15 +332,18 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
         eng.decode_runner.use_graphs = static  # verify through the static path from here
         g = torch.Generator().manual_seed(0)
         got = []
-        for n, q, tree in ((4, 3, False), (3, 3, False), (3, 3, True)):
+        for n, q, kind in ((4, 3, "chain"), (3, 3, "chain"), (3, 3, "tree"), (3, 3, "drafts"), (3, 3, "drafts")):
             mask = torch.ones(q, q, dtype=torch.bool).tril()
             depth = torch.arange(q)
-            if tree:  # nodes 1 and 2 both children of the root
+            if kind == "tree":  # nodes 1 and 2 both children of the root
                 mask[2, 1], depth = False, torch.tensor([0, 1, 1])
             mask = mask.expand(n, q, q)
             base = torch.tensor([s.num_computed for s in seqs[:n]])[:, None]
             tokens = torch.randint(0, 300, (n, q), generator=g)
-            o = eng.verify_forward_output(seqs[:n], tokens, base + depth, mask, return_hidden=True)
+            if kind == "drafts":  # the deferred step's entry: chains, drafts "on the device"
+                o = eng.verify_chains_output(seqs[:n], q - 1, tokens[:, 1:], return_hidden=True)
+            else:
+                o = eng.verify_forward_output(seqs[:n], tokens, base + depth, mask, return_hidden=True)
             got.append((o.logits.clone(), o.hidden_final.clone()))
             if n == 4:  # keep the roots only, then a plain decode step of new tokens
                 for s in seqs:
@@ -349,7 +354,7 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
                 eng.decode_runner.use_graphs = static
         runs.append((got, eng.cache.k[1].clone(), eng.decode_runner))
     (s_out, s_k, s_runner), (e_out, e_k, e_runner) = runs
-    assert s_runner.num_verify_graphs == 1 and s_runner.num_verify_replays == 3
+    assert s_runner.num_verify_graphs == 1 and s_runner.num_verify_replays == 5
     assert e_runner.num_verify_replays == 0
     for a, b in zip(s_out, e_out):
         for x, y in zip(a, b):
