@@ -55,4 +55,4 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)  # pin_memory rejects expanded views
