@@ -73,6 +73,7 @@ import torch
 
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.gpu_model import DecodeModel
+from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.sampling import exponential_noise, sample
@@ -472,7 +473,7 @@ class DecodeRunner:
             self._verify_forward(bucket, q, v, {})
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph, hidden = torch.cuda.CUDAGraph(), {}
-        with torch.cuda.graph(graph, pool=self._pool):
+        with graph_capture(graph, pool=self._pool):
             self._verify_forward(bucket, q, v, hidden)
         # The hidden-state outputs were allocated inside the capture: holding them keeps
         # their memory out of later captures' reach.
@@ -508,7 +509,7 @@ class DecodeRunner:
                 self._forward(bucket, self._logits[:bucket])
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph, hidden = torch.cuda.CUDAGraph(), {}
-            with torch.cuda.graph(graph, pool=self._pool):
+            with graph_capture(graph, pool=self._pool):
                 self._forward(bucket, self._logits[:bucket], hidden_out=hidden)
             self._graphs[bucket] = graph
             # The hidden-state outputs (allocated in the capture) are held, so later
@@ -642,7 +643,7 @@ class DecodeRunner:
             self._sample_forward(bucket, logits)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with graph_capture(graph, pool=self._pool):
             self._sample_forward(bucket, logits)
         self._sgraphs[bucket] = graph
         torch.cuda.synchronize(self.device)

@@ -3,6 +3,8 @@ while the device waits for its inputs)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 
@@ -56,3 +58,22 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)  # pin_memory rejects expanded views
+
+
+@contextlib.contextmanager
+def graph_capture(graph, pool=None):
+    """`torch.cuda.graph(graph, pool=pool)` with Python's garbage collector paused for the
+    capture. Why: torch no longer collects before a capture (force_cudagraph_gc is off),
+    so a collection triggered by the capture's own allocations could free unreachable
+    objects that own CUDA graphs (an engine or decoder dropped in a reference cycle), and
+    destroying a graph while a stream captures invalidates the capture ("operation not
+    permitted when stream is capturing (function reset)", seen in the H200 GPU tests when
+    engines of an earlier test were collected mid-capture). Collection resumes after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from megatron_tlt.rollout.host import graph_capture
+
 
 def _triton_ok(x: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests)."""
@@ -423,7 +425,7 @@ def _time_us(call, n: int) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for i in range(n):
             call(i)
     graph.replay()

@@ -58,6 +58,7 @@ import time
 
 import torch
 
+from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.sampling import exponential_noise, has_triton
 from megatron_tlt.spec.drafter_kv import QUERY_TILE
 from megatron_tlt.spec.sampling_ref import process_logits
@@ -264,7 +265,7 @@ class ChainGraphs:
             self._body(bucket, depth, setting, buf)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with graph_capture(graph, pool=self._pool):
             out = self._body(bucket, depth, setting, buf)
         self.num_captures += 1
         torch.cuda.synchronize(dev)

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
 from megatron_tlt.spec import _ops
 from megatron_tlt.spec.tree import DraftTree
@@ -370,7 +371,7 @@ class VerifyMath:
             self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         cur.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with graph_capture(graph, pool=self._pool):
             self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         self.num_captures += 1
         torch.cuda.synchronize(dev)

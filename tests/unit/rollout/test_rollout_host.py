@@ -38,3 +38,40 @@ def test_limit_host_threads_respects_the_environment(threads, monkeypatch):
 def test_int64_tensor_equals_torch_tensor():
     rows = [[1, -2, 3], [4, 5, 1 << 40]]
     assert torch.equal(int64_tensor(rows), torch.tensor(rows, dtype=torch.int64))
+
+
+def test_graph_capture_pauses_garbage_collection(monkeypatch):
+    """graph_capture: the collector is off inside the capture (a collection there could
+    destroy an unreachable object's CUDA graph and invalidate the capture) and back on
+    after it, also when the capture raises; a collector already off stays off.
+    Control: torch.cuda.graph alone leaves it on."""
+    import contextlib
+    import gc
+
+    from megatron_tlt.rollout import host
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):  # stands in for torch.cuda.graph (no CUDA here)
+        seen.append((graph, pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with torch.cuda.graph("g0"):
+        assert gc.isenabled()  # the control
+    with host.graph_capture("g1", pool="p"):
+        assert not gc.isenabled()
+    assert gc.isenabled() and seen[-1] == ("g1", "p")
+    with pytest.raises(ValueError):
+        with host.graph_capture("g2"):
+            raise ValueError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with host.graph_capture("g3"):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
