@@ -63,7 +63,8 @@ WRAPPED = [
     "megatron_tlt.spec.verify_math:VerifyMath.plan",
     "megatron_tlt.spec.verify_math:VerifyMath.run",
     "megatron_tlt.spec.verify_math:VerifyMath._load",
-    "megatron_tlt.spec.tree:TreeBatch.chains",
+    "megatron_tlt.rollout.engine:RolloutEngine.verify_chains_output",
+    "megatron_tlt.rollout.cuda_graphs:DecodeRunner.verify_rows",
     "torch.cuda.graphs:CUDAGraph.replay",
 ]
 READS = ("cpu", "tolist", "item")

@@ -143,8 +143,8 @@ class RolloutEngine:
         self.spec_decoder = spec_decoder
         self._spec_strategy = None  # per-generate-call override of the decoder's policy
         self.num_appended = 0
-        self._chain_masks: dict[tuple[int, int], torch.Tensor] = {}  # causal [B, Q, Q] masks
         """Tokens appended by this engine so far (all requests, all calls)."""
+        self._chain_masks: dict[tuple[int, int], torch.Tensor] = {}  # causal [B, Q, Q] masks
         self.step_log: list[tuple[int, float]] = []
         """(sequences the step ran, wall seconds) of every step of the last generate call:
         the time per running-batch size and the long tail's share of it (rl/loop.py)."""

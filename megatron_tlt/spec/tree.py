@@ -261,31 +261,6 @@ class TreeBatch:
                    draft_probs=cls._pack_draft_probs(trees, tokens, vocab, probs_out),
                    num_nodes=[len(t.tokens) for t in trees], max_depth=depth_max)
 
-    @classmethod
-    def chains(cls, roots: list[int], root_positions: list[int], depth: int, *,
-               draft_probs: torch.Tensor | None = None,  # [>= B, depth + 1, vocab] float32
-               probs_out: torch.Tensor | None = None) -> "TreeBatch":
-        """`pack` of B chains of one depth whose draft tokens are placeholders (0; the
-        drafts themselves are still on the device: SpecDecoder's deferred step), built
-        with a few tensor ops instead of per-tree Python (the speculative step's host work
-        grows with the batch). draft_probs: the chains' distributions (rows 0..B-1), copied
-        into probs_out like pack's. Equal to pack of the same chains
-        (tests/unit/spec/test_tree.py)."""
-        b, n = len(roots), depth + 1
-        col = torch.arange(n, dtype=torch.int64)
-        parents = (col - 1).expand(b, n).clone()
-        tokens = torch.zeros(b, n, dtype=torch.int64)
-        tokens[:, 0] = int64_tensor(roots)
-        positions = int64_tensor(root_positions)[:, None] + col
-        mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n).clone()
-        probs = None
-        if draft_probs is not None:
-            src = draft_probs[:b]
-            probs = src.clone() if probs_out is None else probs_out[:b].copy_(src)
-        return cls(parents=parents, draft_tokens=tokens, query_tokens=tokens.clone(),
-                   positions=positions, tree_mask=mask, draft_probs=probs,
-                   num_nodes=[n] * b, max_depth=depth)
-
     @staticmethod
     def _pack_draft_probs(trees: list[DraftTree], tokens: torch.Tensor,  # [B, N] int64, -1 padded
                           vocab: int, out: torch.Tensor | None) -> torch.Tensor | None:

@@ -102,27 +102,3 @@ def test_make_dummy_shapes():
     b = TreeBatch.make_dummy(batch=3, depth=2, topk=2)
     assert b.parents.shape == (3, 7) and b.tree_mask.shape == (3, 7, 7)
     assert bool(b.tree_mask.diagonal(dim1=1, dim2=2).all())
-
-
-@pytest.mark.parametrize("sampled", [False, True])
-def test_chains_equal_pack_of_the_same_chains(sampled):
-    """TreeBatch.chains (the deferred step's placeholder chains, built with tensor ops)
-    equals TreeBatch.pack of the same chains field by field, draft probabilities copied
-    into the same kind of output buffer; other roots and positions (control) do not."""
-    g = torch.Generator().manual_seed(3)
-    depth, vocab, roots, pos = 4, 7, [5, 1, 6], [9, 30, 4]
-    probs = torch.rand(4, depth + 1, vocab, generator=g) if sampled else None
-    trees = [chain(r, [0] * depth, None if probs is None else probs[i]) for i, r in enumerate(roots)]
-    out_p, out_c = (torch.full((4, depth + 1, vocab), -1.0) for _ in range(2))
-    a = TreeBatch.pack(trees, pos, vocab, probs_out=out_p if sampled else None)
-    b = TreeBatch.chains(roots, pos, depth, draft_probs=probs, probs_out=out_c if sampled else None)
-    for f in ("parents", "draft_tokens", "query_tokens", "positions", "tree_mask"):
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
-        assert getattr(a, f).dtype == getattr(b, f).dtype, f
-    assert (a.num_nodes, a.max_depth) == (b.num_nodes, b.max_depth)
-    if sampled:
-        assert torch.equal(a.draft_probs, b.draft_probs) and torch.equal(out_p, out_c)
-    else:
-        assert a.draft_probs is None and b.draft_probs is None
-    c = TreeBatch.chains([r + 1 for r in roots], [p + 1 for p in pos], depth)
-    assert not torch.equal(a.draft_tokens, c.draft_tokens) and not torch.equal(a.positions, c.positions)
