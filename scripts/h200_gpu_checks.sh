@@ -8,7 +8,8 @@
 # 2. tests/gpu (GPU_TESTS overrides the list; GPU_TEST_TIMEOUT, default 330 s) ->
 #    RESULTS_DIR/gpu_tests.log;
 # 3. tools/profile_generate.py at batch 1 and 32 with chrome traces, and
-#    tools/trace_gaps.py on each trace -> RESULTS_DIR/profile.json, traces/, trace_gaps.log;
+#    tools/trace_gaps.py on each trace -> RESULTS_DIR/profile.json, traces/, trace_gaps.log
+#    (PROFILE=0 skips this step: its timings are contended while the SFT trains);
 # 4. with SFT_OUT_DIR: waits for the SFT until WAIT_UNTIL seconds into the script
 #    (default 570) and copies its log.
 set -uo pipefail
@@ -28,12 +29,14 @@ timeout "${GPU_TEST_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider $tests \
     > "$RESULTS/gpu_tests.log" 2>&1
 echo "[gpu_checks] tests rc=$? at ${SECONDS} s"
 grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25
-timeout "${PROFILE_TIMEOUT:-200}" $PY tools/profile_generate.py --batch-sizes 1,32 \
-    --trace-dir "$RESULTS/traces" --json "$RESULTS/profile.json" 2>&1 | grep "^{" | cut -c1-1600
-for f in "$RESULTS"/traces/*.json.gz; do
-  [ -f "$f" ] && { echo "$f"; $PY tools/trace_gaps.py "$f"; }
-done 2>&1 | tee "$RESULTS/trace_gaps.log"
-echo "[gpu_checks] profile done at ${SECONDS} s"
+if [ "${PROFILE:-1}" != "0" ]; then  # PROFILE=0 skips it (e.g. beside the SFT: contended timings)
+  timeout "${PROFILE_TIMEOUT:-200}" $PY tools/profile_generate.py --batch-sizes 1,32 \
+      --trace-dir "$RESULTS/traces" --json "$RESULTS/profile.json" 2>&1 | grep "^{" | cut -c1-1600
+  for f in "$RESULTS"/traces/*.json.gz; do
+    [ -f "$f" ] && { echo "$f"; $PY tools/trace_gaps.py "$f"; }
+  done 2>&1 | tee "$RESULTS/trace_gaps.log"
+  echo "[gpu_checks] profile done at ${SECONDS} s"
+fi
 if [ -n "$SFT_OUT" ]; then
   while ! grep -q "stopping at" "$SFT_OUT/sft.log" && [ "$SECONDS" -lt "${WAIT_UNTIL:-570}" ]; do
     sleep 5

@@ -179,9 +179,13 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--json", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op CPU threads (MEGATRON_TLT_HOST_THREADS for the engine, "
+                        "which otherwise sets one on a GPU)")
     a = p.parse_args()
     if a.threads:
+        import os
+        os.environ["MEGATRON_TLT_HOST_THREADS"] = str(a.threads)
         torch.set_num_threads(a.threads)
     from megatron_tlt.spec.decode import SpecDecoder
     from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
@@ -205,7 +209,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (a.prompt_len,), generator=g).tolist() for _ in range(max_b)]
     tl = Timeline()
-    report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev), "results": []}
+    report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev),
+              "torch_threads": torch.get_num_threads(), "results": []}
     for b in sizes:
         for mode, dec in (("off", None), ("eagle", decoder)):
             engine.spec_decoder = dec
