@@ -6,8 +6,9 @@
    states after the final norm (Request.return_hidden_states="final" — the feature EAGLE
    consumes; see eagle.py) for every position: `collect_samples`.
 2. Samples -> pairs (x[t+1], h[t]) at position t + 1, target feature h[t+1] and target
-   logits lm_head(h[t+1]) (recomputed from the feature: exactly the target's logits, no
-   need to store them); packed into fixed-budget packs with segment ids, so attention
+   logits lm_head(h[t+1]) (recomputed from the feature: the target's logits, exactly
+   for a float32 target, up to the engine's rounding for one that generated in bfloat16
+   (`--dtype`, the rollout's dtype by default); no need to store them); packed into fixed-budget packs with segment ids, so attention
    never crosses samples (`pack_samples`).
 3. Loss = smooth-L1(f, h[t+1]) + ce_weight x cross-entropy(drafter logits, softmax of the
    target's logits over the draft vocabulary) — soft labels, the target's distribution,
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +246,17 @@ def collect_samples(engine, prompts: list[tuple[object, list[int]]], *, n: int =
     return out
 
 
+def float32_head(weights):
+    """The target's embedding and LM head in float32 (the same tensors when they already
+    are; one copy when tied), for a drafter trained in float32 over a lower-precision
+    target: an object with build_drafter's `embed`, `lm_head`, `device` and `dtype`."""
+    if weights.dtype == torch.float32:
+        return weights
+    embed = weights.embed.float()
+    lm_head = embed if weights.lm_head is weights.embed else weights.lm_head.float()
+    return types.SimpleNamespace(embed=embed, lm_head=lm_head, device=weights.device, dtype=torch.float32)
+
+
 def build_drafter(target_arch, target_weights, samples: list[TrainSample] | None = None, *,
                   draft_vocab_size: int | None = None, seed: int = 0) -> EagleDrafter:
     """A fresh drafter over the target's embedding/LM head; a reduced vocabulary is the
@@ -309,6 +322,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto",
+                   help="the target's dtype while it generates the training data: auto (the "
+                        "rollout engine's: the checkpoint's dtype or bfloat16 on a GPU, float32 on "
+                        "a CPU), float32, bfloat16 or float16; the drafter trains in float32 either way")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -319,7 +336,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout.cli import _eos_ids
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
-    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts"):
         if getattr(args, name) < 1:
@@ -327,7 +345,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    arch, weights = load_hf(args.target, device=device)
+    # The target generates in the rollout's dtype, so the drafter learns from the features
+    # it will be served at rollout (and the generation runs at bf16 speed on a GPU).
+    dtype = engine_dtype(ModelArch.from_hf_dir(args.target), device, args.dtype)
+    arch, weights = load_hf(args.target, dtype=dtype, device=device)
     try:
         tokenizer = load_tokenizer(args.target)
     except TLTError:
@@ -339,14 +360,16 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     bs = 16
     engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
                            num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
-                           device=device, max_model_len=max_len,
+                           dtype=dtype, device=device, max_model_len=max_len,
                            eos_token_ids=_eos_ids(args.target, None), seed=args.seed,
                            **fast_path_options(device))
     progress = not args.no_progress
     samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, seed=args.seed,
                               response_only=args.response_only, progress=progress)
-    drafter = build_drafter(arch, weights, samples, draft_vocab_size=args.draft_vocab, seed=args.seed)
+    del engine  # its KV pool and graphs: the drafter's training needs only the head
+    drafter = build_drafter(arch, float32_head(weights), samples, draft_vocab_size=args.draft_vocab,
+                            seed=args.seed)
     packs = pack_samples(samples, args.batch_tokens)
     trainer = DrafterTrainer(drafter, lr=args.lr, weight_decay=args.weight_decay,
                              ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed)

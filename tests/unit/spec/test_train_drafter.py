@@ -2,6 +2,7 @@
 going down, acceptance going up, save/reload exactness, the command line."""
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -144,3 +145,31 @@ def _no_tokenizer(tmp_path):
     d = str(tmp_path / "bare")
     make_hf_model("llama", d, vocab_size=100, seed=1, tie=False)
     return d
+
+
+def test_command_line_bfloat16_target(spec_models, tmp_path):
+    """--dtype bfloat16: the target generates in bf16 (the rollout's dtype on a GPU), the
+    drafter still trains in float32 over float32 copies of the head; the target's own
+    tensors are not modified. float32_head: the same object for a float32 target, one copy
+    for a tied head."""
+    import types as _types
+
+    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.spec.train_drafter import float32_head
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6], seed=4)])
+    out = str(tmp_path / "drafter_bf16")
+    assert main(["--target", d, "--data", data, "--out", out, "--max-new-tokens", "8", "--steps", "2",
+                 "--batch-tokens", "32", "--dtype", "bfloat16", "--no-progress"]) == 0
+    summary = json.loads(open(os.path.join(out, "train_summary.json")).read())
+    assert summary["samples"] == 2 and math.isfinite(summary["after"]["loss"])
+    _, w32 = load_hf(d)
+    assert float32_head(w32) is w32
+    _, w16 = load_hf(d, dtype=torch.bfloat16)
+    before = w16.embed.clone()
+    h = float32_head(w16)
+    assert isinstance(h, _types.SimpleNamespace) and h.embed.dtype == torch.float32
+    assert torch.equal(h.embed, w16.embed.float()) and torch.equal(w16.embed, before)
+    assert (h.lm_head is h.embed) == (w16.lm_head is w16.embed)
+    with pytest.raises(TLTError, match="dtype"):
+        main(["--target", d, "--data", data, "--out", out, "--dtype", "int8", "--no-progress"])
