@@ -489,7 +489,9 @@ class RolloutEngine:
         bsz, q = len(seqs), depth + 1
         mask = self._chain_masks.get((bsz, q))
         if mask is None:
-            mask = self._chain_masks[(bsz, q)] = torch.ones(q, q, dtype=torch.bool).tril().expand(bsz, q, q).contiguous()
+            # contiguous: the eager path pins it (to_device), which rejects expanded views
+            mask = torch.ones(q, q, dtype=torch.bool).tril().expand(bsz, q, q).contiguous()
+            self._chain_masks[(bsz, q)] = mask
         tokens, positions = [], []
         pad = [0] * depth
         for s in seqs:

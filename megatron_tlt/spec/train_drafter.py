@@ -6,10 +6,11 @@
    states after the final norm (Request.return_hidden_states="final" — the feature EAGLE
    consumes; see eagle.py) for every position: `collect_samples`.
 2. Samples -> pairs (x[t+1], h[t]) at position t + 1, target feature h[t+1] and target
-   logits lm_head(h[t+1]) (recomputed from the feature: the target's logits, exactly
-   for a float32 target, up to the engine's rounding for one that generated in bfloat16
-   (`--dtype`, the rollout's dtype by default); no need to store them); packed into fixed-budget packs with segment ids, so attention
-   never crosses samples (`pack_samples`).
+   logits lm_head(h[t+1]) (recomputed from the feature, so not stored: exactly the
+   target's logits for a float32 target, up to the engine's rounding for one that
+   generated in bfloat16, the rollout's dtype and `--dtype`'s default on a GPU); packed
+   into fixed-budget packs with segment ids, so attention never crosses samples
+   (`pack_samples`).
 3. Loss = smooth-L1(f, h[t+1]) + ce_weight x cross-entropy(drafter logits, softmax of the
    target's logits over the draft vocabulary) — soft labels, the target's distribution,
    not its sampled token (`drafter_loss`). AdamW over drafter-owned parameters only.
@@ -334,9 +335,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         args = build_parser().parse_args(args)
     from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout.cli import _eos_ids
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
-    from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts"):
