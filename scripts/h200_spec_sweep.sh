@@ -15,6 +15,8 @@
 #   t09x128    the same at a quarter: 128 prompts (seed 1) x 2, 60 steps (a quick check)
 #   t09x1024   twice t09x512: 1024 prompts (seed 1) x 2, 480 steps (expect about twice
 #              t09x512's 277 s on one H200: a call of its own; not yet run)
+#   t09x512u3  t09x512 with chain levels 2-3 trained on the drafter's own features
+#              (train_drafter --unroll 3; ~3x the training compute; not yet run)
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
@@ -48,6 +50,7 @@ recipe() {
     t09x512) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256" ;;
     t09x128) echo "--num-prompts 128 --n 2 --temperature 0.9 --steps 60 --seed 1 --max-new-tokens 256" ;;
     t09x1024) echo "--num-prompts 1024 --n 2 --temperature 0.9 --steps 480 --seed 1 --max-new-tokens 256" ;;
+    t09x512u3) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256 --unroll 3" ;;
     *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
   esac
 }

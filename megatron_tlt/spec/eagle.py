@@ -390,11 +390,44 @@ class EagleDrafter(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training forward over packed samples (causal within a sample, nothing across
         samples). Returns (f [T, hidden], logits [T, head_size] float32)."""
+        return self.forward_unrolled(tokens, features, positions, segment_ids, 1)[0][:2]
+
+    def forward_unrolled(self, tokens: torch.Tensor,  # [T] int64: x[t+1] of each pair
+                         features: torch.Tensor,  # [T, feature_dim]: target features h[t]
+                         positions: torch.Tensor,  # [T] int64: t + 1
+                         segment_ids: torch.Tensor,  # [T] int64: sample of each pair
+                         steps: int,
+                         ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Training forward that also runs the chain the drafter drafts at rollout (a
+        training-time test, as EAGLE-3 trains): step 1 is `forward_packed`; at step s > 1
+        row i is the level-s node of the chain rooted at pair i, its input the true token
+        of pair i + s - 1 with the drafter's own f of step s - 1 (not the target's
+        feature), at position positions[i] + s - 1, attending to the pairs <= i of its
+        sample (their step-1 K/V, from target features: the committed prefix) and to its
+        own chain's earlier levels (row i of steps 2..s), exactly what a chain level sees
+        when drafting. Returns per step (f [T, hidden], logits [T, head_size] float32,
+        valid [T] bool: pair i + s - 1 exists in the same sample, i.e. there is a target)."""
+        t = tokens.shape[0]
+        idx = torch.arange(t, device=tokens.device)
+        same = segment_ids[:, None] == segment_ids[None, :]
+        causal = same & (idx[None, :] <= idx[:, None])
+        eye = idx[:, None] == idx[None, :]
         x, q, k, v = self.layer_qkv(tokens, self.fuse_features(features), positions)
-        idx = torch.arange(tokens.shape[0], device=tokens.device)
-        mask = (segment_ids[:, None] == segment_ids[None, :]) & (idx[None, :] <= idx[:, None])
-        f = self.layer_out(x, attend(q, k, v, mask, self.scale))
-        return f, self.logits(f)
+        f = self.layer_out(x, attend(q, k, v, causal, self.scale))
+        out = [(f, self.logits(f), torch.ones(t, dtype=torch.bool, device=tokens.device))]
+        keys, values, masks = [k], [v], [causal]
+        for s in range(1, steps):
+            ahead = torch.clamp(idx + s, max=t - 1)
+            valid = (idx + s < t) & (segment_ids[ahead] == segment_ids)
+            tok = torch.where(valid, tokens[ahead], tokens)  # rows without a target: any valid id
+            x, q, k, v = self.layer_qkv(tok, f, positions + s)
+            keys.append(k)
+            values.append(v)
+            masks.append(eye)
+            o = attend(q, torch.cat(keys), torch.cat(values), torch.cat(masks, dim=1), self.scale)
+            f = self.layer_out(x, o)
+            out.append((f, self.logits(f), valid))
+        return out
 
     # ---- draft vocabulary -------------------------------------------------------------
 

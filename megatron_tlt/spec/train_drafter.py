@@ -114,29 +114,48 @@ def _make_pack(chunks) -> Pack:
 
 
 def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
-                 feature_noise: float = 0.0, generator: torch.Generator | None = None):
+                 feature_noise: float = 0.0, generator: torch.Generator | None = None,
+                 unroll: int = 1):
     """(loss, metrics dict). feature_noise: uniform noise on input features (EAGLE-1's
-    augmentation against its own feature errors at drafting time)."""
+    augmentation against its own feature errors at drafting time). unroll: also train the
+    chain's deeper levels on the drafter's own features (EagleDrafter.forward_unrolled;
+    1 = the target's features only): the loss is the mean over steps of each step's loss
+    on the pairs that have a target; "loss", "feature_loss", "ce" and "top1" are step 1's
+    (comparable across settings), "loss_all" the trained mean, "loss_<s>" / "top1_<s>"
+    step s's."""
     p = next(drafter.parameters())
     feats = pack.features.to(p.device, p.dtype)
     if feature_noise > 0:
         feats = feats + (torch.rand(feats.shape, generator=generator) * 2 - 1).to(feats) * feature_noise
-    f, logits = drafter.forward_packed(pack.tokens.to(p.device), feats, pack.positions.to(p.device),
-                                       pack.segment_ids.to(p.device))
-    mask = pack.loss_mask.to(p.device)
-    tgt = pack.target_features.to(p.device, p.dtype)
+    steps = drafter.forward_unrolled(pack.tokens.to(p.device), feats, pack.positions.to(p.device),
+                                     pack.segment_ids.to(p.device), unroll)
+    mask0 = pack.loss_mask.to(p.device)
+    tgt0 = pack.target_features.to(p.device, p.dtype)
     with torch.no_grad():
-        target_logits = F.linear(tgt, drafter.head_weight().to(tgt.dtype)).float()
+        logits0 = F.linear(tgt0, drafter.head_weight().to(tgt0.dtype)).float()
+    t = tgt0.shape[0]
+    idx = torch.arange(t, device=p.device)
+    metrics, losses = {}, []
+    for s, (f, logits, valid) in enumerate(steps):
+        ahead = torch.clamp(idx + s, max=t - 1)  # step s + 1 of row i predicts pair i + s's target
+        mask = mask0[ahead] & valid
+        tgt, target_logits = tgt0[ahead], logits0[ahead]
         soft = torch.softmax(target_logits, dim=-1)
-    n = mask.sum().clamp(min=1)
-    feat_loss = (F.smooth_l1_loss(f.float(), tgt.float(), reduction="none").mean(-1) * mask).sum() / n
-    ce = (-(soft * torch.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / n
-    loss = feat_loss + ce_weight * ce
-    with torch.no_grad():
-        acc = ((logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum() / n
-    return loss, {"loss": float(loss.detach()), "feature_loss": float(feat_loss.detach()),
-                  "ce": float(ce.detach()),
-                  "top1": float(acc), "tokens": int(mask.sum())}
+        n = mask.sum().clamp(min=1)
+        feat_loss = (F.smooth_l1_loss(f.float(), tgt.float(), reduction="none").mean(-1) * mask).sum() / n
+        ce = (-(soft * torch.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / n
+        losses.append(feat_loss + ce_weight * ce)
+        with torch.no_grad():
+            acc = ((logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum() / n
+        if s == 0:
+            metrics.update(loss=float(losses[0].detach()), feature_loss=float(feat_loss.detach()),
+                           ce=float(ce.detach()), top1=float(acc), tokens=int(mask.sum()))
+        else:
+            metrics[f"top1_{s + 1}"] = float(acc)
+            metrics[f"loss_{s + 1}"] = float(losses[-1].detach())
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    metrics["loss_all"] = float(loss.detach())
+    return loss, metrics
 
 
 class DrafterTrainer:
@@ -144,8 +163,12 @@ class DrafterTrainer:
 
     def __init__(self, drafter: EagleDrafter, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), clip_grad: float = 1.0,
-                 ce_weight: float = 0.1, feature_noise: float = 0.0, seed: int = 0):
+                 ce_weight: float = 0.1, feature_noise: float = 0.0, seed: int = 0,
+                 unroll: int = 1):
+        if unroll < 1:
+            raise TLTError(f"unroll must be >= 1, got {unroll}")
         self.drafter = drafter
+        self.unroll = unroll
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.clip_grad = clip_grad
         self.ce_weight = ce_weight
@@ -157,7 +180,8 @@ class DrafterTrainer:
         self.drafter.train()
         self.opt.zero_grad(set_to_none=True)
         loss, metrics = drafter_loss(self.drafter, pack, ce_weight=self.ce_weight,
-                                     feature_noise=self.feature_noise, generator=self.generator)
+                                     feature_noise=self.feature_noise, generator=self.generator,
+                                     unroll=self.unroll)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"drafter loss is {float(loss)} at step {self.step_count}")
         loss.backward()
@@ -173,9 +197,10 @@ class DrafterTrainer:
         tot: dict[str, float] = {}
         n = 0
         for pk in packs:
-            _, m = drafter_loss(self.drafter, pk, ce_weight=self.ce_weight)
+            _, m = drafter_loss(self.drafter, pk, ce_weight=self.ce_weight, unroll=self.unroll)
             w = m["tokens"]
-            for k in ("loss", "feature_loss", "ce", "top1"):
+            deeper = [f"{m}_{s}" for s in range(2, self.unroll + 1) for m in ("loss", "top1")]
+            for k in ["loss", "feature_loss", "ce", "top1"] + deeper:
                 tot[k] = tot.get(k, 0.0) + m[k] * w
             n += w
         return {k: v / max(n, 1) for k, v in tot.items()}
@@ -319,6 +344,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--ce-weight", type=float, default=0.1)
     p.add_argument("--feature-noise", type=float, default=0.0)
+    p.add_argument("--unroll", type=int, default=1,
+                   help="train the chain's first N levels, levels >= 2 on the drafter's own "
+                        "features (a training-time test, as EAGLE-3 trains); 1: the target's only")
     p.add_argument("--response-only", action="store_true", help="loss on response positions only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -340,7 +368,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
-    for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts"):
+    for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts", "unroll"):
         if getattr(args, name) < 1:
             raise TLTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = args.device
@@ -373,17 +401,21 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                             seed=args.seed)
     packs = pack_samples(samples, args.batch_tokens)
     trainer = DrafterTrainer(drafter, lr=args.lr, weight_decay=args.weight_decay,
-                             ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed)
+                             ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed,
+                             unroll=args.unroll)
     before = trainer.evaluate(packs)
     train(trainer, packs, args.steps, seed=args.seed, progress=progress)
     after = trainer.evaluate(packs)
     trainer.save_checkpoint(args.out)
     summary = {"samples": len(samples), "pairs": sum(pk.num_tokens for pk in packs),
-               "packs": len(packs), "steps": args.steps, "before": before, "after": after}
+               "packs": len(packs), "steps": args.steps, "unroll": args.unroll,
+               "before": before, "after": after}
     with open(os.path.join(args.out, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    deeper = "".join(f", level-{s} top-1 {before[f'top1_{s}']:.3f} -> {after[f'top1_{s}']:.3f}"
+                     for s in range(2, args.unroll + 1))
     print(f"drafter saved to {args.out}: loss {before['loss']:.4f} -> {after['loss']:.4f}, "
-          f"top-1 {before['top1']:.3f} -> {after['top1']:.3f}", file=sys.stderr)
+          f"top-1 {before['top1']:.3f} -> {after['top1']:.3f}{deeper}", file=sys.stderr)
     return 0 if math.isfinite(after["loss"]) else 1
 
 
