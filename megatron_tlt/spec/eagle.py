@@ -419,8 +419,9 @@ class EagleDrafter(nn.Module):
         for s in range(1, steps):
             ahead = torch.clamp(idx + s, max=t - 1)
             valid = (idx + s < t) & (segment_ids[ahead] == segment_ids)
-            tok = torch.where(valid, tokens[ahead], tokens)  # rows without a target: any valid id
-            x, q, k, v = self.layer_qkv(tok, f, positions + s)
+            # rows without a target (outputs unused): any valid id and position
+            tok = torch.where(valid, tokens[ahead], tokens)
+            x, q, k, v = self.layer_qkv(tok, f, torch.where(valid, positions + s, positions))
             keys.append(k)
             values.append(v)
             masks.append(eye)
