@@ -29,9 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from megatron_tlt.bench import SHAPES, random_weights
-from megatron_tlt.models.arch import ModelArch
-from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
+from megatron_tlt.bench import SHAPES
 from megatron_tlt.rollout.request import Request
 from megatron_tlt.rollout.sampling import SamplingParams
 
@@ -187,27 +185,11 @@ def main() -> None:
         import os
         os.environ["MEGATRON_TLT_HOST_THREADS"] = str(a.threads)
         torch.set_num_threads(a.threads)
-    from megatron_tlt.spec.decode import SpecDecoder
-    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
-    from megatron_tlt.spec.tree import Strategy
+    from profile_generate import random_spec_setup  # tools/ is the script's directory
 
-    arch = ModelArch(**SHAPES[a.shape])
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    w = random_weights(arch, dtype=dt, device=dev, seed=0)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    max_b = max(sizes)
-    page = 16
-    max_len = a.prompt_len + a.new + 16
-    engine = RolloutEngine(arch, w, max_num_seqs=max_b, block_size=page,
-                           num_blocks=max_b * (-(-max_len // page)) + 8, dtype=dt,
-                           device=dev, max_model_len=max_len, eos_token_ids=(), seed=0,
-                           **fast_path_options(dev))
-    cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
-    drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
-    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (a.prompt_len,), generator=g).tolist() for _ in range(max_b)]
+    engine, decoder, prompts = random_spec_setup(a.shape, max(sizes), a.prompt_len, a.new)
+    dev = engine.device
     tl = Timeline()
     report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev),
               "torch_threads": torch.get_num_threads(), "results": []}

@@ -140,6 +140,32 @@ def _spec_graph_replays(engine, decoder, b: int) -> dict[str, float]:
     return out
 
 
+def random_spec_setup(shape: str, max_b: int, prompt_len: int, new: int):
+    """(engine, EAGLE SpecDecoder, max_b prompts) on random weights of a benchmark shape:
+    bf16 with the fast path on a GPU, float32 on CPU; a random one-layer drafter with a
+    128-token draft vocabulary, depth-4 chains; room for prompt_len + new tokens."""
+    from megatron_tlt.spec.decode import SpecDecoder
+    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
+    from megatron_tlt.spec.tree import Strategy
+
+    arch = ModelArch(**SHAPES[shape])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = random_weights(arch, dtype=dt, device=dev, seed=0)
+    page = 16
+    max_len = prompt_len + new + 16
+    engine = RolloutEngine(arch, w, max_num_seqs=max_b, block_size=page,
+                           num_blocks=max_b * (-(-max_len // page)) + 8, dtype=dt,
+                           device=dev, max_model_len=max_len, eos_token_ids=(), seed=0,
+                           **fast_path_options(dev))
+    cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
+    drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
+    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (prompt_len,), generator=g).tolist() for _ in range(max_b)]
+    return engine, decoder, prompts
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
@@ -156,28 +182,11 @@ def main() -> None:
                    help="also run torch.profiler over one run per mode and batch size (CUDA): "
                         "the top device kernels by total time, with calls per engine step")
     a = p.parse_args()
-    from megatron_tlt.spec.decode import SpecDecoder
-    from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
-    from megatron_tlt.spec.tree import Strategy
-
-    arch = ModelArch(**SHAPES[a.shape])
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    w = random_weights(arch, dtype=dt, device=dev, seed=0)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     max_b = max(sizes)
     short, long_ = 8, 72
-    page = 16
-    max_len = a.prompt_len + long_ + 16
-    engine = RolloutEngine(arch, w, max_num_seqs=max_b, block_size=page,
-                           num_blocks=max_b * (-(-max_len // page)) + 8, dtype=dt,
-                           device=dev, max_model_len=max_len, eos_token_ids=(), seed=0,
-                           **fast_path_options(dev))
-    cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
-    drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
-    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 128, (a.prompt_len,), generator=g).tolist() for _ in range(max_b)]
+    engine, decoder, prompts = random_spec_setup(a.shape, max_b, a.prompt_len, long_)
+    dev = engine.device
     report = {"shape": a.shape, "temperature": a.temperature, "results": []}
     for b in sizes:
         ps = prompts[:b]

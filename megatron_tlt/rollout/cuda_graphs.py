@@ -148,7 +148,8 @@ class DecodeRunner:
         self.num_steps = 0
         """Decode steps served by this runner."""
         self._vgraphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
-        self._veye: dict = {}  # padding sequences' tree mask per Q (device; ("host", Q) on the host)
+        self._veye: dict[int, torch.Tensor] = {}  # padding sequences' tree mask per Q
+        self._veye_cpu: dict[int, torch.Tensor] = {}  # the same on the host
         self._vstage: dict[tuple[int, int], dict] = {}  # static inputs per verify graph
         self._vlogits: torch.Tensor | None = None
         self._vcopy_done = None
@@ -394,9 +395,9 @@ class DecodeRunner:
         h[o["ctx"] + bsz:o["ctx"] + bucket] = q
 
     def _veye_host(self, q: int) -> torch.Tensor:
-        eye = self._veye.get(("host", q))
+        eye = self._veye_cpu.get(q)
         if eye is None:
-            eye = self._veye[("host", q)] = torch.eye(q, dtype=torch.bool)
+            eye = self._veye_cpu[q] = torch.eye(q, dtype=torch.bool)
         return eye
 
     def _verify_logits(self) -> torch.Tensor:

@@ -465,20 +465,8 @@ class RolloutEngine:
             raise ValueError("verify_forward: every query token must see itself (tree_mask diagonal)")
         if int(positions.max()) >= self.max_model_len:
             raise ValueError(f"verify_forward: position {int(positions.max())} >= max_model_len")
-        for seq in seqs:
-            if not self.cache.ensure(seq.seq_id, seq.num_computed + q):
-                raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
-                                   f"{seq.num_computed + q} entries")
-        out = None
-        if self._fused_verify():  # the runner's verify graph, inputs in one host-to-device copy
-            out = self.decode_runner.verify_rows(seqs, q, query_tokens.reshape(-1).tolist(),
-                                                 positions.reshape(-1).tolist(), tree_mask,
-                                                 draft_ids=draft_ids, return_hidden=return_hidden)
-        if out is None:
-            out = self._verify_eager(seqs, query_tokens, positions, tree_mask, return_hidden, draft_ids)
-        for seq in seqs:
-            seq.pending_verify = q
-        return out
+        return self._verify(seqs, q, query_tokens.reshape(-1).tolist(), positions.reshape(-1).tolist(),
+                            tree_mask, None, draft_ids, return_hidden)
 
     def verify_chains_output(self, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor,
                              *, return_hidden: bool = False) -> ForwardOutput:
@@ -501,25 +489,31 @@ class RolloutEngine:
             positions.extend(range(root, root + q))
         if max(positions) >= self.max_model_len:
             raise ValueError(f"verify_forward: position {max(positions)} >= max_model_len")
+        return self._verify(seqs, q, tokens, positions, mask, "chain", draft_ids, return_hidden)
+
+    def _verify(self, seqs, q: int, tokens: list[int], positions: list[int], tree_mask: torch.Tensor,
+                mask_key: str | None, draft_ids: torch.Tensor | None, return_hidden: bool) -> ForwardOutput:
+        """The verify forward of both entries: KV room for Q more entries per sequence,
+        then the runner's verify graph (inputs in one host-to-device copy) or, where no
+        graph serves, `_verify_eager`; the Q entries stay uncommitted until commit_kv."""
         for seq in seqs:
             if not self.cache.ensure(seq.seq_id, seq.num_computed + q):
                 raise RuntimeError(f"sequence {seq.seq_id}: KV cache has no room for "
                                    f"{seq.num_computed + q} entries")
         out = None
         if self._fused_verify():
-            out = self.decode_runner.verify_rows(seqs, q, tokens, positions, mask, mask_key="chain",
+            out = self.decode_runner.verify_rows(seqs, q, tokens, positions, tree_mask, mask_key=mask_key,
                                                  draft_ids=draft_ids, return_hidden=return_hidden)
         if out is None:
-            out = self._verify_eager(seqs, int64_tensor(tokens).view(bsz, q),
-                                     int64_tensor(positions).view(bsz, q), mask, return_hidden, draft_ids)
+            out = self._verify_eager(seqs, q, tokens, positions, tree_mask, return_hidden, draft_ids)
         for seq in seqs:
             seq.pending_verify = q
         return out
 
-    def _verify_eager(self, seqs, query_tokens, positions, tree_mask, return_hidden, draft_ids):
+    def _verify_eager(self, seqs, q, tokens, positions, tree_mask, return_hidden, draft_ids):
         """verify_forward_output without a verify graph: metadata in one copy, then the
         runner's eager fused forward or the generic model forward."""
-        bsz, q = query_tokens.shape
+        bsz = len(seqs)
         slots, starts, ctx = [], [0], []
         for seq in seqs:
             base = seq.num_computed
@@ -527,7 +521,7 @@ class RolloutEngine:
             starts.append(starts[-1] + q)
             ctx.append(base + q)
         meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=to_device(tree_mask, self.device),
-                                    head=query_tokens.reshape(-1).tolist() + positions.reshape(-1).tolist())
+                                    head=tokens + positions)
         ids, pos = head[:bsz * q], head[bsz * q:]
         if draft_ids is not None:
             if tuple(draft_ids.shape) != (bsz, q - 1) or draft_ids.device != ids.device:
