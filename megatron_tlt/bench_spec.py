@@ -127,7 +127,7 @@ def _counters(engine, decoder) -> dict[str, int]:
     if r is not None:
         out.update(decode_captures=r.num_captures, sample_graphs=r.num_sample_graphs,
                    verify_graphs=r.num_verify_graphs,
-                   planner_plans=len(r.model.planner.plans) + len(r.model.planner.fused))
+                   planner_timings=r.model.planner.num_tuned)
     if decoder is not None:
         out["deferred_steps"] = decoder.num_deferred
         m = decoder._math

@@ -78,6 +78,7 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.sampling import exponential_noise, sample
 from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
+from megatron_tlt.rollout.triton_linear import LinearPlanner
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_VERIFY_GRAPH_ROWS = int(os.environ.get("MEGATRON_TLT_VERIFY_GRAPH_ROWS", "256"))
@@ -117,7 +118,10 @@ class DecodeRunner:
         self.cache = cache
         self.device = cache.device
         self.use_graphs = use_graphs
-        self.model = DecodeModel(arch, model.weights, model.cos, model.sin)
+        # One kernel planner per device for every engine of the process: the same kernels,
+        # so the same roundings, whichever engine decodes (linear_plans.py).
+        self.model = DecodeModel(arch, model.weights, model.cos, model.sin,
+                                 planner=LinearPlanner.shared(self.device))
         self.vocab_size = arch.vocab_size
         self.buckets = bucket_sizes(batch_sizes, max_num_seqs)
         self.max_batch = self.buckets[-1]

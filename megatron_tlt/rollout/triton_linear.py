@@ -26,7 +26,10 @@ roundings as the separate kernels; one launch fewer each.
 `LinearPlanner` picks, per (M, N, K, dtype), the fastest of cuBLAS and a few Triton
 configs by timing them once on the device as CUDA-graph replays (outside any capture),
 and whether a fused prologue beats the separate kernel + projection; the choices are
-cached for the process. On CPU it always answers cuBLAS (`F.linear`) and no fusion.
+cached for the process (`LinearPlanner.shared`: one planner per device, whichever engine
+asks) and, with MEGATRON_TLT_LINEAR_PLANS, in a file across runs: the candidates round
+differently, so the choice is part of "same seed -> same tokens" (linear_plans.py). On
+CPU it always answers cuBLAS (`F.linear`) and no fusion.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 from megatron_tlt.rollout.host import graph_capture
+from megatron_tlt.rollout.linear_plans import CUBLAS, LinearConfig, PlanCache, PlanFile  # noqa: F401 (re-exported)
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -148,26 +152,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@dataclasses.dataclass(frozen=True)
-class LinearConfig:
-    """How one projection runs: `cublas` (F.linear) or a Triton config."""
-
-    kind: str = "cublas"  # "cublas" | "dot" | "fma"
-    block_m: int = 16
-    block_n: int = 32
-    block_k: int = 256
-    splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __str__(self) -> str:
-        if self.kind == "cublas":
-            return "cublas"
-        return (f"{self.kind}:m{self.block_m}n{self.block_n}k{self.block_k}s{self.splits}"
-                f"w{self.num_warps}p{self.num_stages}")
-
-
-CUBLAS = LinearConfig()
 
 
 def linear_partials(x: torch.Tensor,  # [M, K], last dim contiguous
@@ -296,26 +280,25 @@ def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
     return out
 
 
-class LinearPlanner:
+class LinearPlanner(PlanCache):
     """Fastest config per (M, N, K, dtype), timed once on the device and cached.
 
     Must not be asked for a new shape during CUDA graph capture (timing synchronises):
     the decode runner's warm-up pass, which runs every bucket eagerly before capturing
     it, fills the cache. `fixed` forces one config everywhere (tests, A/B benchmarks).
+    Engines take `LinearPlanner.shared(device)`, so that every engine of a process runs
+    the same kernels (linear_plans.py); `plan_file` also reads and extends a file of plans.
     """
 
     def __init__(self, *, fixed: LinearConfig | None = None, fixed_fused: bool = False,
-                 iters: int = 16):
+                 iters: int = 16, plan_file: PlanFile | None = None):
         """fixed_fused: with `fixed`, also run the prologue-fused projections with it."""
         self.fixed = fixed
         self.fixed_fused = fixed_fused
         self.iters = iters
-        self.fused: dict[tuple, tuple[LinearConfig | None, float, float]] = {}
-        """(kind, m, n, k, planes, dtype) -> (config or None, fused us, unfused us)."""
-        self.plans: dict[tuple, tuple[LinearConfig, float]] = {}
-        """(m, n, k, dtype, split) -> (config, microseconds per call)."""
         self.timings: dict[tuple, dict[str, float]] = {}
         """(m, n, k, dtype, split) -> {str(config): microseconds} of every candidate timed."""
+        super().__init__(plan_file)
 
     def config(self, x: torch.Tensor, weight: torch.Tensor, *, split: bool = True) -> LinearConfig:
         """split=False: only single-plane configs (for `linear_into`)."""
@@ -326,12 +309,7 @@ class LinearPlanner:
         # Row counts are planned per power-of-two bucket (a verify step's B * Q takes many
         # values); a bucket's config serves every row count up to it.
         key = (_row_bucket(x.shape[0]), weight.shape[0], weight.shape[1], weight.dtype, split)
-        if key not in self.plans:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"LinearPlanner: shape {key[:3]} first seen during CUDA graph "
-                                   "capture; run the bucket eagerly first")
-            self.plans[key] = self._tune(x, weight, key)
-        return self.plans[key][0]
+        return self._choose(self.plans, key, lambda: self._tune(x, weight, key))[0]
 
     def fused_config(self, kind: str,  # "norm" | "silu"
                      planes: torch.Tensor,  # [S, M, *] the prologue's input planes
@@ -346,11 +324,8 @@ class LinearPlanner:
         if planes.device.type != "cuda" or planes.shape[1] != 1:
             return None
         key = (kind, planes.shape[1], weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
-        if key not in self.fused:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"LinearPlanner: fused {key[:5]} first seen during CUDA graph capture")
-            self.fused[key] = self._tune_fused(kind, planes, weight, norm_weight, eps)
-        return self.fused[key][0]
+        return self._choose(self.fused, key,
+                            lambda: self._tune_fused(kind, planes, weight, norm_weight, eps))[0]
 
     def _tune_fused(self, kind, planes, weight, norm_weight, eps):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul

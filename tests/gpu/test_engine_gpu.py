@@ -22,6 +22,7 @@ from megatron_tlt.rollout import EngineWeights, Request, RolloutEngine, Sampling
 from megatron_tlt.rollout.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from megatron_tlt.rollout.gpu_model import (DecodeModel, qkv_rope_write_kv, rms_norm,  # noqa: E402
                                             silu_mul)
+from megatron_tlt.rollout.linear_plans import PLANS_ENV, PlanCache  # noqa: E402
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, candidate_configs,  # noqa: E402
                                                 linear_into, linear_partials, norm_linear_partials,
                                                 silu_linear_partials)
@@ -570,10 +571,38 @@ def test_update_weights_keeps_graphs_valid():
     assert [t.data_ptr() for t in w.tensors()] == ptrs
     after = graph.generate(reqs)
     assert graph.decode_runner.num_captures == 1  # no recapture needed
-    fresh = engine(arch, w2, dtype, attention_backend="triton", cuda_graphs=False).generate(reqs)
+    eager = engine(arch, w2, dtype, attention_backend="triton", cuda_graphs=False)
+    # One planner for both (the kernels are chosen by timing: separate choices could round
+    # differently; this test failed once on a GPU shared with a training job before that).
+    assert eager.decode_runner.model.planner is graph.decode_runner.model.planner
+    fresh = eager.generate(reqs)
     assert [r.token_ids for r in after] == [r.token_ids for r in fresh]
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
     assert all(r.policy_version == 1 for r in after)
+
+
+def test_plan_file_carries_the_kernel_choices(tmp_path, monkeypatch):
+    """MEGATRON_TLT_LINEAR_PLANS: the planner of a later process (a fresh shared planner on
+    the same file) reads every kernel choice the first one timed and times nothing; its
+    engine decodes the same tokens."""
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype)
+    reqs = requests(arch.vocab_size, ragged_specs(6, seed=9), seed=9)
+    path = tmp_path / "plans.json"
+    monkeypatch.setenv(PLANS_ENV, str(path))
+    monkeypatch.setattr(PlanCache, "_shared", {})
+    a = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+    ta = a.generate(reqs)
+    pa = a.decode_runner.model.planner
+    assert pa.plan_file is not None and pa.num_tuned >= 3 and path.exists()
+    monkeypatch.setattr(PlanCache, "_shared", {})  # as a new process starts
+    b = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+    pb = b.decode_runner.model.planner
+    assert pb is not pa and pb.plans == pa.plans and pb.fused == pa.fused
+    tb = b.generate(reqs)
+    assert pb.num_tuned == 0
+    assert [r.token_ids for r in tb] == [r.token_ids for r in ta]
+    assert [r.logprobs for r in tb] == [r.logprobs for r in ta]
 
 
 def test_sleep_wake_recaptures_graphs_and_decodes_the_same():
@@ -667,8 +696,8 @@ def test_sample_graph_equals_generic_sampler(dt, batch):
 def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
     """engine.generate at T=0.9 (a few greedy requests among them), bf16, 20 requests
     finishing at different lengths: sampling graphs == MEGATRON_TLT_SAMPLE_GRAPHS=0, same
-    tokens and logprobs. The engines share one linear planner, so both decode with the
-    same kernels (the planner times candidates; two could pick differently). Then sleep
+    tokens and logprobs. The engines share the process's linear planner, so both decode
+    with the same kernels (the planner times candidates; two could pick differently). Then sleep
     drops the sampling graphs and the next generate recaptures them, same tokens."""
     dtype = torch.bfloat16
     arch, w = small_model(dtype)
@@ -679,7 +708,7 @@ def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
     graphs = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
     monkeypatch.setenv("MEGATRON_TLT_SAMPLE_GRAPHS", "0")
     generic = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
-    generic.decode_runner.model.planner = graphs.decode_runner.model.planner
+    assert generic.decode_runner.model.planner is graphs.decode_runner.model.planner
     a = graphs.generate(reqs)
     b = generic.generate(reqs)
     ra, rb = graphs.decode_runner, generic.decode_runner
