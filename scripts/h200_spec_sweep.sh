@@ -4,7 +4,8 @@
 #   bash scripts/h200_spec_sweep.sh OUT_DIR [RESULTS_DIR]
 # Needs the benchmark-scale target at OUT_DIR/sft/hf (`STOP_AFTER=target bash
 # scripts/h200_rl_step.sh OUT_DIR 120`). Every stage is skipped when its output exists, so
-# a call cut by a time limit is resumed by running the script again on the same machine.
+# a call cut by a time limit is resumed by running the script again on the same machine
+# (a drafter cut mid-training resumes from its last checkpoint, train_drafter --save-every).
 # RESULTS_DIR (e.g. the device tool's $OUT) receives each JSON and log as soon as it exists.
 #
 # SWEEP_DRAFTERS (default "greedy128 t09x512"):

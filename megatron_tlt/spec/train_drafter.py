@@ -221,22 +221,135 @@ class DrafterTrainer:
 
 
 def train(trainer: DrafterTrainer, packs: list[Pack], steps: int, *, seed: int = 0,
-          progress: bool = True) -> list[dict]:
-    """`steps` optimizer steps, one pack each, cycling through a seeded shuffle."""
+          progress: bool = True, on_step=None) -> list[dict]:
+    """`steps` more optimizer steps, one pack each, cycling through a seeded shuffle. The
+    shuffle continues after the trainer's `step_count` steps already taken (a resumed
+    trainer sees the packs an uninterrupted run would have). on_step(trainer): called
+    after every step (periodic checkpoints)."""
     from tqdm import tqdm
     if not packs:
         raise TLTError("no training data: every sample is shorter than 3 tokens")
     g = torch.Generator().manual_seed(seed)
     order: list[int] = []
+    for _ in range(trainer.step_count):  # replay the draws of the steps already taken
+        if not order:
+            order = torch.randperm(len(packs), generator=g).tolist()
+        order.pop()
     history = []
-    bar = tqdm(range(steps), desc="train-drafter", unit="step", disable=not progress, dynamic_ncols=True)
+    done = trainer.step_count
+    bar = tqdm(range(done, done + steps), desc="train-drafter", unit="step", initial=done,
+               total=done + steps, disable=not progress, dynamic_ncols=True)
     for _ in bar:
         if not order:
             order = torch.randperm(len(packs), generator=g).tolist()
         m = trainer.step(packs[order.pop()])
         history.append(m)
         bar.set_postfix(loss=f"{m['loss']:.4f}", top1=f"{m['top1']:.3f}", refresh=False)
+        if on_step is not None:
+            on_step(trainer)
     return history
+
+
+class ResumeState:
+    """OUT/.train_state: what a crashed or cut `train_drafter` run resumes from, so that
+    nothing done is done again: args.json (the run's settings: a run with other settings
+    refuses it), samples.pt (the target's responses and features, the generation half of
+    the work), before.json (the untrained drafter's evaluation), ckpt/ (the latest periodic
+    checkpoint: drafter, optimizer, step, feature-noise generator; replaced by writing
+    ckpt.tmp, renaming ckpt to ckpt.old, then ckpt.tmp to ckpt, so one complete checkpoint
+    exists at every moment). Removed when the run finishes. A resumed run equals an
+    uninterrupted one (the data order continues where it stopped, `train`)."""
+
+    DIR = ".train_state"
+
+    def __init__(self, out: str, settings: dict):
+        self.dir = os.path.join(out, self.DIR)
+        self.settings = settings
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _write_json(self, name: str, obj) -> None:
+        tmp = self._path(f".{name}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, self._path(name))
+
+    def open(self, resume: bool = True) -> bool:
+        """Start this run's state; True when an unfinished run with the same settings left
+        some to resume from (resume=False discards it)."""
+        import shutil
+        if os.path.exists(self._path("args.json")):
+            if not resume:
+                shutil.rmtree(self.dir)
+            else:
+                with open(self._path("args.json")) as f:
+                    saved = json.load(f)
+                if saved != self.settings:
+                    diff = ", ".join(f"{k}: {saved.get(k)!r} there, {self.settings.get(k)!r} now"
+                                     for k in sorted(set(saved) | set(self.settings))
+                                     if saved.get(k) != self.settings.get(k))
+                    raise TLTError(f"{os.path.dirname(self.dir)} holds an unfinished drafter "
+                                   f"training with other settings ({diff}); pass --no-resume "
+                                   "to discard it, or choose another --out")
+                return True
+        os.makedirs(self.dir, exist_ok=True)
+        self._write_json("args.json", self.settings)
+        return False
+
+    def save_samples(self, samples: list[TrainSample]) -> None:
+        tmp = self._path(".samples.pt.tmp")
+        # (not dataclasses.asdict: it deep-copies every tensor)
+        torch.save([{f.name: getattr(s, f.name) for f in dataclasses.fields(s)} for s in samples], tmp)
+        os.replace(tmp, self._path("samples.pt"))
+
+    def load_samples(self) -> list[TrainSample] | None:
+        if not os.path.exists(self._path("samples.pt")):
+            return None
+        return [TrainSample(**d) for d in torch.load(self._path("samples.pt"), weights_only=True)]
+
+    def save_before(self, metrics: dict) -> None:
+        self._write_json("before.json", metrics)
+
+    def load_before(self) -> dict | None:
+        if not os.path.exists(self._path("before.json")):
+            return None
+        with open(self._path("before.json")) as f:
+            return json.load(f)
+
+    def save(self, trainer: DrafterTrainer) -> None:
+        """The trainer's progress as the latest checkpoint."""
+        import shutil
+        tmp, cur, old = self._path("ckpt.tmp"), self._path("ckpt"), self._path("ckpt.old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.save_checkpoint(tmp)
+        torch.save(trainer.generator.get_state(), os.path.join(tmp, "generator.pt"))
+        if os.path.exists(cur):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(cur, old)
+        os.replace(tmp, cur)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, trainer: DrafterTrainer) -> bool:
+        """The latest complete checkpoint into `trainer` (False: none yet)."""
+        from megatron_tlt.spec.export import WEIGHTS_FILE
+        from safetensors.torch import load_file
+        for name in ("ckpt", "ckpt.old"):
+            path = self._path(name)
+            if not os.path.exists(os.path.join(path, "generator.pt")):
+                continue
+            tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+            for k in ("d2t", "t2d"):
+                tensors.pop(k, None)  # the vocabulary map: rebuilt from the same samples
+            trainer.drafter.load_state_dict(tensors)
+            trainer.load_optimizer(path)
+            trainer.generator.set_state(torch.load(os.path.join(path, "generator.pt"), weights_only=True))
+            return True
+        return False
+
+    def finish(self) -> None:
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---- data from the target ----------------------------------------------------------------
@@ -355,8 +468,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the target's dtype while it generates the training data: auto (the "
                         "rollout engine's: the checkpoint's dtype or bfloat16 on a GPU, float32 on "
                         "a CPU), float32, bfloat16 or float16; the drafter trains in float32 either way")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="steps between resumable checkpoints in OUT/.train_state (0: none; the "
+                        "target's responses are kept there as soon as they are generated)")
+    p.add_argument("--no-resume", action="store_true",
+                   help="discard an unfinished run's state in --out instead of resuming it")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+# Options that do not change what a run computes (a resumed run may change them).
+_RUN_ONLY = ("out", "no_progress", "no_resume", "save_every", "steps")
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The options a resumed run must share with the run it resumes (paths absolute)."""
+    out = {k: v for k, v in sorted(vars(args).items()) if k not in _RUN_ONLY}
+    for k in ("target", "data"):
+        if out.get(k):
+            out[k] = os.path.abspath(out[k])
+    return out
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
@@ -371,6 +502,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts", "unroll"):
         if getattr(args, name) < 1:
             raise TLTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_every < 0:
+        raise TLTError(f"--save-every must be >= 0, got {args.save_every}")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -384,34 +517,55 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         tokenizer = None
     prompts = prompt_token_ids(path=args.data, tasks=args.tasks, n=args.num_prompts, seed=args.seed,
                                tokenizer=tokenizer, model_dir=args.target)
-    longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
-    max_len = min(arch.max_position_embeddings, longest)
-    bs = 16
-    engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
-                           num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
-                           dtype=dtype, device=device, max_model_len=max_len,
-                           eos_token_ids=_eos_ids(args.target, None), seed=args.seed,
-                           **fast_path_options(device))
+    state = ResumeState(args.out, run_settings(args))
+    resuming = state.open(resume=not args.no_resume)
     progress = not args.no_progress
-    samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, seed=args.seed,
-                              response_only=args.response_only, progress=progress)
-    del engine  # its KV pool and graphs: the drafter's training needs only the head
+    samples = state.load_samples() if resuming else None
+    if samples is None:
+        longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
+        max_len = min(arch.max_position_embeddings, longest)
+        bs = 16
+        engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
+                               num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
+                               dtype=dtype, device=device, max_model_len=max_len,
+                               eos_token_ids=_eos_ids(args.target, None), seed=args.seed,
+                               **fast_path_options(device))
+        samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, seed=args.seed,
+                                  response_only=args.response_only, progress=progress)
+        del engine  # its KV pool and graphs: the drafter's training needs only the head
+        state.save_samples(samples)
+    else:
+        print(f"resuming the unfinished run in {args.out}: {len(samples)} target responses "
+              "read back (not generated again)", file=sys.stderr)
     drafter = build_drafter(arch, float32_head(weights), samples, draft_vocab_size=args.draft_vocab,
                             seed=args.seed)
     packs = pack_samples(samples, args.batch_tokens)
     trainer = DrafterTrainer(drafter, lr=args.lr, weight_decay=args.weight_decay,
                              ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed,
                              unroll=args.unroll)
-    before = trainer.evaluate(packs)
-    train(trainer, packs, args.steps, seed=args.seed, progress=progress)
+    resumed_at = None
+    if resuming and state.load(trainer):
+        resumed_at = trainer.step_count
+        print(f"resuming at step {resumed_at} of {args.steps}", file=sys.stderr)
+    before = state.load_before()
+    if before is None:
+        before = trainer.evaluate(packs)  # the untrained drafter (no checkpoint precedes it)
+        state.save_before(before)
+
+    def checkpoint(t: DrafterTrainer) -> None:
+        if args.save_every and t.step_count % args.save_every == 0 and t.step_count < args.steps:
+            state.save(t)
+    train(trainer, packs, max(0, args.steps - trainer.step_count), seed=args.seed,
+          progress=progress, on_step=checkpoint)
     after = trainer.evaluate(packs)
     trainer.save_checkpoint(args.out)
     summary = {"samples": len(samples), "pairs": sum(pk.num_tokens for pk in packs),
-               "packs": len(packs), "steps": args.steps, "unroll": args.unroll,
-               "before": before, "after": after}
+               "packs": len(packs), "steps": trainer.step_count, "unroll": args.unroll,
+               "resumed_at_step": resumed_at, "before": before, "after": after}
     with open(os.path.join(args.out, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    state.finish()
     deeper = "".join(f", level-{s} top-1 {before[f'top1_{s}']:.3f} -> {after[f'top1_{s}']:.3f}"
                      for s in range(2, args.unroll + 1))
     print(f"drafter saved to {args.out}: loss {before['loss']:.4f} -> {after['loss']:.4f}, "

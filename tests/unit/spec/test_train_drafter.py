@@ -234,3 +234,108 @@ def test_unroll_trains_the_deeper_levels(data):
     assert res[3]["loss_2"] < 0.99 * res[1]["loss_2"] and res[3]["loss_3"] < 0.99 * res[1]["loss_3"], res
     with pytest.raises(TLTError, match="unroll"):
         DrafterTrainer(build_drafter(engine.arch, engine.weights, samples), unroll=0)
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_cut_run_resumes_to_the_uninterrupted_result(spec_models, tmp_path, monkeypatch):
+    """A run stopped after step 5 (checkpoints every 2 steps), run again with the same
+    command: reads the target's responses back instead of generating them, restarts from
+    the step-4 checkpoint, and ends with exactly the drafter of an uninterrupted run
+    (torch.equal; feature noise on, several packs, so the generator state and the data
+    order matter). Control: the same resume without the optimizer's state differs."""
+    from safetensors.torch import load_file
+
+    import megatron_tlt.spec.train_drafter as td
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6, 7], seed=5)])
+
+    def cmd(out, *extra):
+        return ["--target", d, "--data", data, "--out", out, "--max-new-tokens", "10", "--steps", "7",
+                "--batch-tokens", "12", "--feature-noise", "0.05", "--save-every", "2", "--no-progress",
+                *extra]
+
+    def weights(out):
+        return load_file(os.path.join(out, "model.safetensors"))
+
+    whole = str(tmp_path / "whole")
+    assert main(cmd(whole)) == 0
+    assert not os.path.exists(os.path.join(whole, ".train_state"))  # removed when done
+    step = td.DrafterTrainer.step
+
+    def crash_after(n):
+        def cut(self, pack):
+            if self.step_count == n:
+                raise _Crash
+            return step(self, pack)
+        return cut
+
+    def resumed(out, *, skip_optimizer=False):
+        with monkeypatch.context() as m:
+            m.setattr(td.DrafterTrainer, "step", crash_after(5))
+            with pytest.raises(_Crash):
+                main(cmd(out))
+        state = os.path.join(out, ".train_state")
+        assert sorted(os.listdir(state)) == ["args.json", "before.json", "ckpt", "samples.pt"]
+        with monkeypatch.context() as m:
+            m.setattr(td, "collect_samples", lambda *a, **k: pytest.fail("generated again"))
+            if skip_optimizer:
+                m.setattr(td.DrafterTrainer, "load_optimizer",
+                          lambda self, path: setattr(self, "step_count", 4))
+            assert main(cmd(out)) == 0
+        return json.loads(open(os.path.join(out, "train_summary.json")).read())
+
+    cut = str(tmp_path / "cut")
+    summary = resumed(cut)
+    assert summary["resumed_at_step"] == 4 and summary["steps"] == 7 and summary["packs"] > 2
+    assert summary["before"] == json.loads(open(os.path.join(whole, "train_summary.json")).read())["before"]
+    a, b = weights(whole), weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    control = str(tmp_path / "control")
+    resumed(control, skip_optimizer=True)
+    c = weights(control)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_resume_refuses_other_settings_and_no_resume_discards(spec_models, tmp_path, monkeypatch):
+    import megatron_tlt.spec.train_drafter as td
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6], seed=6)])
+    out = str(tmp_path / "d")
+    base = ["--target", d, "--data", data, "--out", out, "--max-new-tokens", "6", "--steps", "3",
+            "--batch-tokens", "12", "--save-every", "1", "--no-progress"]
+
+    def cut(self, pack):
+        raise _Crash
+    with monkeypatch.context() as m:
+        m.setattr(td.DrafterTrainer, "step", cut)
+        with pytest.raises(_Crash):
+            main(base)
+    with pytest.raises(TLTError, match=r"other settings \(lr: 0.001 there, 0.002 now\).*--no-resume"):
+        main(base + ["--lr", "0.002"])
+    assert main(base + ["--lr", "0.002", "--no-resume"]) == 0
+    summary = json.loads(open(os.path.join(out, "train_summary.json")).read())
+    assert summary["resumed_at_step"] is None and summary["steps"] == 3
+    with pytest.raises(TLTError, match="--save-every must be >= 0"):
+        main(base + ["--save-every", "-1"])
+
+
+def test_resume_falls_back_to_the_previous_checkpoint(data, tmp_path):
+    """A stop between the two renames of ResumeState.save leaves only ckpt.old: loaded."""
+    from megatron_tlt.spec.train_drafter import ResumeState
+    engine, ps, samples = data
+    packs = pack_samples(samples[:4], 64)
+    st = ResumeState(str(tmp_path), {"x": 1})
+    assert st.open() is False and st.open() is True
+    t = DrafterTrainer(build_drafter(engine.arch, engine.weights, samples, seed=0), lr=3e-3)
+    train(t, packs, 2, progress=False)
+    st.save(t)
+    os.replace(os.path.join(st.dir, "ckpt"), os.path.join(st.dir, "ckpt.old"))
+    fresh = DrafterTrainer(build_drafter(engine.arch, engine.weights, samples, seed=0), lr=3e-3)
+    assert st.load(fresh) and fresh.step_count == 2
+    assert all(torch.equal(v, t.drafter.state_dict()[k]) for k, v in fresh.drafter.state_dict().items())
+    st.finish()
+    assert not os.path.exists(st.dir)
+    assert not ResumeState(str(tmp_path), {"x": 1}).load(fresh)
