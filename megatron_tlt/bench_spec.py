@@ -66,7 +66,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", default="arith,sort", help="built-in synthetic tasks for the prompts")
     src.add_argument("--prompts", default=None, help="prompts JSONL (prompt or prompt_token_ids)")
-    p.add_argument("--spec-depth", type=int, default=4)
+    p.add_argument("--spec-depth", default="4",
+                   help="draft depth, or depths by running batch size BATCH:DEPTH,... (e.g. "
+                        "1:6,8:4,32:3: depth 6 up to 1 running sequence, 4 up to 8, else 3); "
+                        "a mode NAME@D in --drafters uses depth D instead")
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
@@ -101,13 +104,26 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
         raise TLTError(f"bench spec: --min-new-tokens must be in [0, --max-new-tokens], got "
                        f"{args.min_new_tokens}")
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
-    bad = [n for n in names if n not in ("eagle", "ngram", "eagle-readback")]
-    if bad or not names:
-        raise TLTError(f"bench spec: --drafters takes eagle, ngram and/or eagle-readback, got {args.drafters!r}")
-    if ("eagle" in names or "eagle-readback" in names) and not args.drafter:
+    bad = [n for n in names if _mode(n) is None]
+    if bad or not names or len(set(names)) != len(names):
+        raise TLTError(f"bench spec: --drafters takes eagle, ngram and/or eagle-readback, each "
+                       f"optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
+    if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
+    from megatron_tlt.spec.decode import parse_depth_schedule
+    parse_depth_schedule(args.spec_depth)  # ConfigError now, not after loading the model
     args.drafter_names = names
     return args
+
+
+def _mode(name: str) -> tuple[str, int | None] | None:
+    """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
+    kind, _, depth = name.partition("@")
+    if kind not in ("eagle", "ngram", "eagle-readback"):
+        return None
+    if not depth:
+        return kind, None
+    return (kind, int(depth)) if depth.isdigit() and int(depth) >= 1 else None
 
 
 def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
@@ -202,7 +218,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     if decoder is not None:
         t = decoder.metrics.summary()["total"]
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
-                   num_drafts=t["num_drafts"], fallbacks=t["fallbacks"],
+                   num_drafts=t["num_drafts"], drafted=t["drafted"], fallbacks=t["fallbacks"],
                    deferred_steps=after["deferred_steps"] - before["deferred_steps"])
     return row
 
@@ -245,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
-    from megatron_tlt.spec.tree import Strategy
+    from megatron_tlt.spec.decode import depth_policy
 
     opts = parse_args(list(getattr(args, "extra", []) or []))
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -262,8 +278,15 @@ def main(args: argparse.Namespace) -> int:
     def sets(b: int) -> list[list]:
         """The --prompt-sets disjoint batches of b prompts a timed run generates."""
         return [prompts[j * b:(j + 1) * b] for j in range(opts.prompt_sets)]
-    strategy = Strategy(depth=opts.spec_depth, topk=opts.spec_topk, num_verify_tokens=opts.spec_num_verify)
-    longest = max(len(ids) for _, ids in prompts) + opts.max_new_tokens + strategy.num_draft_nodes + 1
+    def policy(name: str):
+        depth = _mode(name)[1]
+        return depth_policy(opts.spec_depth if depth is None else depth, topk=opts.spec_topk,
+                            num_verify_tokens=opts.spec_num_verify)
+    policies = {name: policy(name) for name in opts.drafter_names}
+    strategies = [st for pol in policies.values() for st in pol.strategies]
+    most_nodes = max(st.num_draft_nodes for st in strategies)
+    deepest = max(st.depth for st in strategies)
+    longest = max(len(ids) for _, ids in prompts) + opts.max_new_tokens + most_nodes + 1
     max_len = min(arch.max_position_embeddings, longest)
     bs = 16
     engine = RolloutEngine(arch, weights, max_num_seqs=max_b, block_size=bs,
@@ -272,11 +295,14 @@ def main(args: argparse.Namespace) -> int:
                            eos_token_ids=() if opts.ignore_eos else _eos_ids(opts.model, tokenizer),
                            seed=opts.seed,
                            **fast_path_options(device))
-    decoders = {name: _spec_decoder(argparse.Namespace(drafter=opts.drafter), name.split("-")[0], strategy,
-                                    arch, weights)
-                for name in opts.drafter_names}
-    if "eagle-readback" in decoders:
-        decoders["eagle-readback"].defer_max_batch = 0
+    decoders = {}
+    for name in opts.drafter_names:
+        kind = _mode(name)[0]
+        dec = decoders[name] = _spec_decoder(argparse.Namespace(drafter=opts.drafter), kind.split("-")[0],
+                                             None, arch, weights)
+        dec.policy = policies[name]
+        if kind == "eagle-readback":
+            dec.defer_max_batch = 0
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:
@@ -284,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
             # front: growing them mid-run reallocates the buffers its graphs read, and every
             # drafting graph is captured again inside a timed run.
             from megatron_tlt.spec.drafter_kv import QUERY_TILE
-            kv.ensure_capacity(longest + QUERY_TILE + strategy.depth)
+            kv.ensure_capacity(longest + QUERY_TILE + deepest)
     clock = _Clock(torch.device(device))
     # Warm-up: first one full-length run per drafter at the largest batch, so the
     # drafter's KV slots and capacity reach their final size (growing them invalidates

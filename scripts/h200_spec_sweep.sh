@@ -21,7 +21,9 @@
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
-# the step that reads the drafts back before verifying beside the default one.
+# the step that reads the drafts back before verifying beside the default one, or
+# "eagle,eagle@3,eagle@5" to time other depths in the same run (one model load, one plain
+# baseline); SWEEP_DEPTHS entries may be schedules by running batch size ("1:5,16:4,32:3").
 # SWEEP_AB (optional "DRAFTER:DEPTH"): the one configuration that runs with SWEEP_AB_MODES
 # (default "eagle,eagle-readback") instead of SWEEP_MODES.
 # SWEEP_BENCH_ARGS: more bench spec flags (e.g. --continuous); SWEEP_TAG: a suffix of the
@@ -69,7 +71,7 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
 done
 for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
   for k in ${SWEEP_DEPTHS:-4 6}; do
-    name="bench_spec_${d}_depth$k${SWEEP_TAG:-}"
+    name="bench_spec_${d}_depth${k//[:,]/_}${SWEEP_TAG:-}"
     json="$OUT/$name.json"
     [ -f "$json" ] && continue
     echo "[spec_sweep] bench spec: drafter $d, depth $k"

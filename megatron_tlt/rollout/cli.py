@@ -16,7 +16,8 @@ distribution otherwise): --spec eagle --drafter DIR (a drafter from
 `python -m megatron_tlt.spec.train_drafter` or `megatron-tlt export-drafter`) or --spec
 ngram (model-free suffix matching against the prompt, the other samples of the prompt and
 earlier responses). --spec-depth/--spec-topk/--spec-num-verify set the draft tree (topk 1:
-chain); --spec-threshold N speculates only while at most N sequences run. Per request,
+chain; --spec-depth 1:6,8:4,32:3 sets the depth by running batch size); --spec-threshold N
+speculates only while at most N sequences run. Per request,
 `spec` holds drafted/accepted/num_drafts/acceptance_rate/acceptance_length/fallbacks;
 a summary by batch-size bucket goes to stderr and, with --spec-summary FILE, to JSON.
 
@@ -58,7 +59,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--spec", choices=SPEC_CHOICES, default="off",
                    help="speculative decoding: off, eagle (needs --drafter) or ngram (adaptive: not yet)")
     g.add_argument("--drafter", default=None, help="drafter directory (for --spec eagle/adaptive)")
-    g.add_argument("--spec-depth", type=int, default=4, help="draft tokens along the longest path")
+    g.add_argument("--spec-depth", default="4",
+                   help="draft tokens along the longest path; or by running batch size, "
+                        "BATCH:DEPTH,... (e.g. 1:6,8:4,32:3: 6 while one sequence runs, 4 up to "
+                        "8, else 3)")
     g.add_argument("--spec-topk", type=int, default=1, help="children per tree node (1 = chain)")
     g.add_argument("--spec-num-verify", type=int, default=None,
                    help="tree nodes verified per step, root included (default: depth + 1 for a "
@@ -263,7 +267,6 @@ def main(args: argparse.Namespace) -> int:
 
 def _spec_strategy(args, spec: str):
     """The draft Strategy (None for --spec off), checked before any work."""
-    from megatron_tlt.spec.tree import Strategy
 
     drafter = _arg(args, "drafter", None)
     if spec == "off":
@@ -283,13 +286,22 @@ def _spec_strategy(args, spec: str):
     if ngram < 1:
         raise TLTError(f"--spec-ngram must be >= 1, got {ngram}")
     try:
-        return Strategy(depth=_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
-                        num_verify_tokens=_arg(args, "spec_num_verify", None))
+        policy = _spec_policy(args)
     except TLTError as e:
         raise TLTError(f"--spec flags: {e}") from None
+    return max(policy.strategies, key=lambda st: st.num_draft_nodes)  # sizes the KV room
+
+
+def _spec_policy(args):
+    from megatron_tlt.spec.decode import depth_policy
+    return depth_policy(_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
+                        num_verify_tokens=_arg(args, "spec_num_verify", None),
+                        threshold=_arg(args, "spec_threshold", None))
 
 
 def _spec_decoder(args, spec, strategy, arch, weights):
+    """The SpecDecoder of the --spec flags (`strategy`: _spec_strategy's, or None for the
+    caller to set a policy)."""
     from megatron_tlt.spec.decode import SpecDecoder
 
     if spec == "eagle":
@@ -300,7 +312,8 @@ def _spec_decoder(args, spec, strategy, arch, weights):
     else:
         from megatron_tlt.spec.ngram import NgramDrafter
         drafter = NgramDrafter(max_ngram=_arg(args, "spec_ngram", 4))
-    return SpecDecoder(drafter, strategy, threshold=_arg(args, "spec_threshold", None))
+    return SpecDecoder(drafter, strategy, threshold=_arg(args, "spec_threshold", None),
+                       policy=None if strategy is None else _spec_policy(args))
 
 
 def _report_spec(args, summary: dict) -> None:

@@ -205,6 +205,63 @@ class ThresholdPolicy:
         return self.strategy
 
 
+def parse_depth_schedule(text: str | int) -> list[tuple[int | None, int]]:
+    """`--spec-depth`: one depth ("4", 4) or depths by running batch size,
+    "B1:D1,B2:D2,...": depth D1 while at most B1 sequences run, else D2 while at most B2,
+    ...; above the last bound, the last depth. Returns [(bound or None, depth)]."""
+    raw = str(text).strip()
+    if ":" not in raw:
+        try:
+            return [(None, int(raw))]
+        except ValueError:
+            raise ConfigError(f"spec depth {text!r}: expected an integer or BATCH:DEPTH pairs "
+                              "(e.g. 1:6,8:4,32:3)") from None
+    out: list[tuple[int | None, int]] = []
+    for part in raw.split(","):
+        try:
+            b, d = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ConfigError(f"spec depth schedule {text!r}: {part!r} is not BATCH:DEPTH") from None
+        if b < 1 or d < 1:
+            raise ConfigError(f"spec depth schedule {text!r}: batch sizes and depths must be >= 1")
+        if out and b <= out[-1][0]:
+            raise ConfigError(f"spec depth schedule {text!r}: batch bounds must increase")
+        out.append((b, d))
+    return out
+
+
+class BatchSchedulePolicy:
+    """SD with a strategy chosen by the running batch size: the first (bound, strategy)
+    whose bound is >= the batch size, else the last strategy; none (plain decoding) above
+    `threshold`. A shallower chain at larger batches: each draft level costs every running
+    sequence a drafter pass and a verified row, so the best depth falls as the batch grows."""
+
+    def __init__(self, schedule: list[tuple[int | None, Strategy]], threshold: int | None = None):
+        if not schedule:
+            raise ConfigError("spec schedule is empty")
+        self.schedule = list(schedule)
+        self.threshold = ThresholdPolicy(schedule[-1][1], threshold).threshold
+
+    @property
+    def strategies(self) -> list[Strategy]:
+        return [st for _, st in self.schedule]
+
+    def __call__(self, batch_size: int) -> Strategy | None:
+        if self.threshold is not None and batch_size > self.threshold:
+            return None
+        for bound, st in self.schedule:
+            if bound is None or batch_size <= bound:
+                return st
+        return self.schedule[-1][1]
+
+
+def depth_policy(depth: str | int, *, topk: int = 1, num_verify_tokens: int | None = None,
+                 threshold: int | None = None) -> BatchSchedulePolicy:
+    """The policy of a `--spec-depth` value (parse_depth_schedule) with these tree options."""
+    return BatchSchedulePolicy([(b, Strategy(depth=d, topk=topk, num_verify_tokens=num_verify_tokens))
+                                for b, d in parse_depth_schedule(depth)], threshold)
+
+
 class SpecDecoder:
     """Speculative decoding for a RolloutEngine: `engine.spec_decoder = SpecDecoder(...)`."""
 

@@ -128,3 +128,28 @@ def test_bench_spec_bad_input(capsys):
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
     assert "--drafters takes eagle, ngram and/or eagle-readback" in capsys.readouterr().err
+
+
+def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
+    """--drafters NAME@D runs that mode at depth D beside the others in one run;
+    --spec-depth BATCH:DEPTH,... sets the other modes' depth by running batch size."""
+    path = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
+                 "--drafters", "eagle,eagle@1,ngram@2", "--batch-sizes", "1,3", "--max-new-tokens", "12",
+                 "--tasks", "sort", "--device", "cpu", "--spec-depth", "1:3,3:2", "--ignore-eos",
+                 "--breakdown-tokens", "0"]) == 0
+    rows = {(r["batch"], r["mode"]): r for r in json.loads(path.read_text())["results"]}
+    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "ngram@2", "off")]
+    for b in (1, 3):
+        one = rows[(b, "eagle@1")]["repeats"][0]
+        assert one["num_drafts"] > 0 and one["drafted"] == one["num_drafts"]  # depth 1
+        two = rows[(b, "ngram@2")]["repeats"][0]
+        assert two["drafted"] <= 2 * two["num_drafts"]
+    deep = rows[(1, "eagle")]["repeats"][0]  # one sequence: depth 3
+    assert deep["drafted"] > 2 * deep["num_drafts"]
+    capsys.readouterr()
+    for bad in ("eagle@0", "eagle@x", "eagle,eagle", "medusa"):
+        assert main(["bench", "spec", "--model", TINY, "--drafter", "d", "--drafters", bad]) == 2
+        assert "--drafters takes" in capsys.readouterr().err, bad
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--spec-depth", "3:1,2:2"]) == 2
+    assert "batch bounds must increase" in capsys.readouterr().err

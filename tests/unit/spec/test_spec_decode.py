@@ -186,3 +186,22 @@ def test_sampling_is_seeded_and_logprobs_are_the_targets(spec_models, drafter, s
         torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=2e-4, rtol=0)
         assert all(p <= 0.0 and math.isfinite(p) for p in r.processed_logprobs)
         assert all(lp <= plp + 1e-6 for lp, plp in zip(r.logprobs, r.processed_logprobs))
+
+
+def test_depth_schedule_policy():
+    """--spec-depth BATCH:DEPTH,...: the first bound >= the running batch picks the depth,
+    above the last bound the last depth; the threshold still turns SD off; a plain integer
+    is one depth at every size."""
+    from megatron_tlt.errors import ConfigError
+    from megatron_tlt.spec.decode import depth_policy, parse_depth_schedule
+
+    assert parse_depth_schedule("4") == [(None, 4)] and parse_depth_schedule(5) == [(None, 5)]
+    assert parse_depth_schedule(" 1:6,8:4,32:3") == [(1, 6), (8, 4), (32, 3)]
+    pol = depth_policy("1:6,8:4,32:3", threshold=40)
+    assert [pol(b).depth for b in (1, 2, 8, 9, 32, 33, 40)] == [6, 4, 4, 3, 3, 3, 3]
+    assert pol(41) is None
+    one = depth_policy(4, topk=2, num_verify_tokens=6)
+    assert one(1) == one(1000) and (one(7).depth, one(7).topk, one(7).num_draft_nodes) == (4, 2, 5)
+    for bad in ("8:4,1:6", "1:6,1:4", "0:3", "2:0", "a:b", "4:", "x"):
+        with pytest.raises(ConfigError):
+            parse_depth_schedule(bad)

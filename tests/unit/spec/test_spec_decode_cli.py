@@ -50,6 +50,10 @@ def test_spec_generate_matches_off(setup, capsys):
                        "--spec-num-verify", "6", "--spec-threshold", "4"],
         "ngram": ["--spec", "ngram", "--spec-depth", "4", "--spec-ngram", "2",
                   "--num-blocks", "12", "--max-num-seqs", "6"],
+        # depth by running batch size: 4 for one sequence, 2 up to 4, else 1 (5 run first,
+        # then the sixth alone)
+        "eagle-schedule": ["--spec", "eagle", "--drafter", drafter, "--spec-depth", "1:4,4:2,6:1",
+                           "--max-num-seqs", "5"],
     }
     for name, flags in runs.items():
         out = tmp / f"{name}.jsonl"
@@ -70,6 +74,12 @@ def test_spec_generate_matches_off(setup, capsys):
         assert sm["total"]["num_drafts"] == sum(l["spec"]["num_drafts"] for l in lines)
         if name == "eagle-tree":  # 6 sequences > threshold 4: off until the tail
             assert sm["by_batch_size"]["5-8"]["num_drafts"] == 0
+        if name == "eagle-schedule":  # drafts per verification within each bucket's depth
+            by = sm["by_batch_size"]
+            assert set(by) == {"5-8", "1"}
+            assert by["5-8"]["num_drafts"] > 0 and by["5-8"]["drafted"] == by["5-8"]["num_drafts"]  # depth 1
+            assert by["1"]["num_drafts"] > 0
+            assert 2 * by["1"]["num_drafts"] < by["1"]["drafted"] <= 4 * by["1"]["num_drafts"]  # depth 4
         assert "acceptance rate" in capsys.readouterr().err
 
 
@@ -77,6 +87,9 @@ def test_spec_generate_matches_off(setup, capsys):
     (["--spec", "adaptive"], "--spec adaptive is not available yet"),
     (["--spec", "ngram", "--drafter", "/x"], "--drafter is not used by --spec ngram"),
     (["--spec", "ngram", "--spec-topk", "0"], "--spec flags: spec topk must be"),
+    (["--spec", "ngram", "--spec-depth", "4:2,2:3"], "batch bounds must increase"),
+    (["--spec", "ngram", "--spec-depth", "two"], "expected an integer or BATCH:DEPTH"),
+    (["--spec", "ngram", "--spec-depth", "1:0"], "must be >= 1"),
     (["--spec", "ngram", "--spec-num-verify", "1"], "num_verify_tokens must be an integer >= 2"),
     (["--spec", "ngram", "--spec-threshold", "-1"], "--spec-threshold must be >= 0"),
 ])
