@@ -42,12 +42,19 @@ from megatron_tlt.errors import ConfigError
 def _yaml12_resolvers(base: type, *, keep_yaml11: bool) -> dict:
     """`base`'s implicit resolvers with YAML 1.2 bool and float rules added.
 
-    keep_yaml11=False (reading) drops the YAML 1.1 bool/float rules; True (writing)
-    keeps both, so a string either reader would take for something else is quoted.
+    keep_yaml11=False (reading) drops the YAML 1.1 bool/float rules and the 1.1 int rule's
+    base-60 form (1.1 reads `8:4` as 484; 1.2 and this reader as the string "8:4", e.g. a
+    rollout.spec_depth schedule); True (writing) keeps them, so a string either reader
+    would take for something else is quoted.
     """
     replaced = () if keep_yaml11 else ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+    int_rx = re.compile(r"""^(?:[-+]?0b[0-1_]+
+        |[-+]?0[0-7_]+
+        |[-+]?(?:0|[1-9][0-9_]*)
+        |[-+]?0x[0-9a-fA-F_]+)$""", re.X)
     resolvers = {
-        first: [(tag, rx) for tag, rx in entries if tag not in replaced]
+        first: [(tag, int_rx if tag == "tag:yaml.org,2002:int" and not keep_yaml11 else rx)
+                for tag, rx in entries if tag not in replaced]
         for first, entries in base.yaml_implicit_resolvers.items()
     }
     bool_rx = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
@@ -369,8 +376,10 @@ class RolloutConfig(ConfigSection):
     """Speculative decoding: off, always EAGLE drafter, always n-gram, or adaptive."""
     drafter: str | None = None
     """EAGLE drafter directory (spec=eagle): written by `python -m megatron_tlt.spec.train_drafter`."""
-    spec_depth: int = 4
-    """Draft tokens per speculative step (tree depth)."""
+    spec_depth: int | str = 4
+    """Draft tokens per speculative step (tree depth); or by running batch size,
+    "BATCH:DEPTH,..." (e.g. "1:6,8:4,32:3": 6 while one sequence runs, 4 up to 8, else 3:
+    deep chains for the long tail, shallow ones for the full batch)."""
     spec_topk: int = 1
     """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
     spec_num_verify: int | None = None
@@ -387,6 +396,13 @@ class RolloutConfig(ConfigSection):
         )
         self._check_min("top_k", 0)
         self._check_min("n_samples", 1)
+        from megatron_tlt.spec.decode import parse_depth_schedule
+        try:
+            schedule = parse_depth_schedule(self.spec_depth)
+        except ConfigError as e:
+            raise ConfigError(f"{self._key('spec_depth')}: {e}") from None
+        if schedule[0][0] is None:  # one depth (an override's text "5" too): the integer
+            object.__setattr__(self, "spec_depth", schedule[0][1])
 
 
 @dataclass(kw_only=True)

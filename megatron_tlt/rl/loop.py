@@ -274,10 +274,10 @@ class RLRun:
             return None
         if ro.spec == "adaptive":
             raise ConfigError("rollout.spec=adaptive is not available in this build yet; use off, ngram or eagle")
-        from megatron_tlt.spec.decode import SpecDecoder
-        from megatron_tlt.spec.tree import Strategy
+        from megatron_tlt.spec.decode import SpecDecoder, depth_policy
 
-        strategy = Strategy(depth=ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify)
+        policy = depth_policy(ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify,
+                              threshold=ro.spec_threshold)
         if ro.spec == "eagle":
             if not ro.drafter:
                 raise ConfigError("rollout.spec=eagle needs rollout.drafter (a drafter directory written by "
@@ -291,7 +291,7 @@ class RLRun:
             from megatron_tlt.spec.ngram import NgramDrafter
 
             drafter = NgramDrafter(max_ngram=4)
-        return SpecDecoder(drafter, strategy, threshold=ro.spec_threshold)
+        return SpecDecoder(drafter, policy=policy)
 
     # ---- the step ----------------------------------------------------------------------
     def _epoch_order(self, epoch: int) -> torch.Tensor:

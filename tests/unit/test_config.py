@@ -309,3 +309,25 @@ def test_yaml_loader_is_safe(tmp_path):
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(path, [])
     assert config_mod._parse_yaml("a: 1") == {"a": 1}
+
+
+def test_spec_depth_schedule(tmp_path):
+    """rollout.spec_depth: one depth, or depths by running batch size as a string; YAML's
+    1.1 base-60 ints are not read (8:4 would be 484), and the file round-trips; the RL
+    run's decoder takes the schedule (control: an int gives one depth everywhere)."""
+    import types
+
+    from megatron_tlt.rl.loop import RLRun
+    assert load_config(None, ["rollout.spec_depth=5"]).rollout.spec_depth == 5
+    cfg = load_config(None, ["rollout.spec_depth=8:4", "rollout.spec=ngram"])
+    assert cfg.rollout.spec_depth == "8:4"
+    path = tmp_path / "c.yaml"
+    save_config(cfg, str(path))
+    assert load_config(str(path), []).rollout.spec_depth == "8:4"
+    cfg = load_config(None, ["rollout.spec_depth=1:6,8:4,32:3", "rollout.spec=ngram", "rollout.spec_threshold=64"])
+    dec = RLRun._spec_decoder(types.SimpleNamespace(cfg=cfg), None)
+    assert [dec.choose(b).depth for b in (1, 5, 8, 20, 64)] == [6, 4, 4, 3, 3] and dec.choose(65) is None
+    one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram"])), None)
+    assert {one.choose(b).depth for b in (1, 8, 64)} == {4}
+    msg = error_of(None, ["rollout.spec_depth=8:0"])
+    assert msg.startswith("rollout.spec_depth: spec depth schedule '8:0'"), msg
