@@ -266,8 +266,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _spec_strategy(args, spec: str):
-    """The draft Strategy (None for --spec off), checked before any work."""
-
+    """The draft Strategy (None for --spec off), checked before any work; with a depth
+    schedule, its strategy with the most draft nodes (it sizes the KV pool)."""
     drafter = _arg(args, "drafter", None)
     if spec == "off":
         if drafter:

@@ -152,8 +152,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-
-
 def linear_partials(x: torch.Tensor,  # [M, K], last dim contiguous
                     weight: torch.Tensor,  # [N, K], last dim contiguous
                     cfg: LinearConfig,
