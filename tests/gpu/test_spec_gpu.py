@@ -254,3 +254,40 @@ def test_deferred_drafts_equal_read_back_on_gpu(model_dir, temperature, nan):
     fb = [r.spec_stats["fallbacks"] for r in r_on]
     assert fb == [r.spec_stats["fallbacks"] for r in r_off]
     assert (min(fb) > 0) if nan else (max(fb) == 0)
+
+
+def test_depth_schedule_on_gpu(model_dir):
+    """A depth schedule (spec.decode.depth_policy "1:4,4:2"): greedy SD through the
+    kernels on a batch-invariant engine, four sequences at depth 2 and then the fifth alone
+    at depth 4, emits the plain tokens and drafts at each bucket's depth; on the Triton
+    engine with graphs at T=0.9, the drafter's chain graphs are captured per depth and the
+    verify-math graphs equal the same math eager bit for bit."""
+    from megatron_tlt.spec.decode import depth_policy
+
+    def engine(dtype=torch.float32, **kw):
+        arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
+        return RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=4, num_blocks=64,
+                             block_size=4, **kw)
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8, 6], prompt_seed=3, max_new_tokens=24)
+    base = engine(batch_invariant=True).generate(reqs)
+    e = engine(batch_invariant=True)
+    e.spec_decoder = SpecDecoder(DRAFTERS["eagle"](e), policy=depth_policy("1:4,4:2"), verify_impl="kernel")
+    res = e.generate(reqs)
+    assert tokens(res) == tokens(base)
+    by = e.spec_decoder.metrics.summary()["by_batch_size"]
+    assert by["2-4"]["num_drafts"] > 0 and by["2-4"]["drafted"] <= 2 * by["2-4"]["num_drafts"]
+    assert by["1"]["num_drafts"] > 0 and by["1"]["drafted"] > 2 * by["1"]["num_drafts"]
+
+    sampled = requests(VOCAB["qwen2"], [5, 11, 3, 8, 6], temperature=0.9, max_new_tokens=24, seed=7)
+    out = {}
+    for graphs in (True, False):
+        g = engine(torch.bfloat16, attention_backend="triton", cuda_graphs=True)
+        g.spec_decoder = SpecDecoder(DRAFTERS["eagle"](g), policy=depth_policy("1:4,4:2"),
+                                     verify_impl="kernel", verify_graphs=graphs)
+        out[graphs] = (g.generate(sampled), g.spec_decoder)
+    (rg, dg), (re_, _) = out[True], out[False]
+    assert dg._math.num_replays > 0
+    depths = {key[1] for key in dg.drafter._chain_graphs._graphs}
+    assert 2 in depths and depths <= {2, 4}, depths
+    assert tokens(rg) == tokens(re_)
+    assert [r.logprobs for r in rg] == [r.logprobs for r in re_]
