@@ -110,7 +110,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                        f"optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
-    from megatron_tlt.spec.decode import parse_depth_schedule
+    from megatron_tlt.spec.tree import parse_depth_schedule
     parse_depth_schedule(args.spec_depth)  # ConfigError now, not after loading the model
     args.drafter_names = names
     return args
@@ -299,8 +299,7 @@ def main(args: argparse.Namespace) -> int:
     for name in opts.drafter_names:
         kind = _mode(name)[0]
         dec = decoders[name] = _spec_decoder(argparse.Namespace(drafter=opts.drafter), kind.split("-")[0],
-                                             None, arch, weights)
-        dec.policy = policies[name]
+                                             policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
     for dec in decoders.values():

@@ -396,7 +396,7 @@ class RolloutConfig(ConfigSection):
         )
         self._check_min("top_k", 0)
         self._check_min("n_samples", 1)
-        from megatron_tlt.spec.decode import parse_depth_schedule
+        from megatron_tlt.spec.tree import parse_depth_schedule  # parsing only: not the decoder
         try:
             schedule = parse_depth_schedule(self.spec_depth)
         except ConfigError as e:

@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     spec = _arg(args, "spec", "off")
-    strategy = _spec_strategy(args, spec)
+    policy = _spec_checked(args, spec)
     n = args.n
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
@@ -208,7 +208,8 @@ def main(args: argparse.Namespace) -> int:
     max_num_seqs = _arg(args, "max_num_seqs", 64)
     num_blocks = _arg(args, "num_blocks", None)
     if num_blocks is None:
-        extra = 0 if strategy is None else strategy.num_draft_nodes + 1  # room for a draft tree
+        # room for the largest draft tree the policy may verify
+        extra = 0 if policy is None else max(st.num_draft_nodes for st in policy.strategies) + 1
         per = sorted((-(-min(len(r.prompt_token_ids) + params.max_new_tokens + extra, max_model_len)
                         // block_size) for r in requests), reverse=True) or [1]
         num_blocks = max(1, sum(per[:max_num_seqs]))
@@ -218,8 +219,8 @@ def main(args: argparse.Namespace) -> int:
                            detokenize=(lambda t: tokenizer.decode(t, skip_special_tokens=True))
                            if tokenizer is not None else None, seed=args.seed,
                            **fast_path_options(device))
-    if strategy is not None:
-        engine.spec_decoder = _spec_decoder(args, spec, strategy, arch, weights)
+    if policy is not None:
+        engine.spec_decoder = _spec_decoder(args, spec, policy, arch, weights)
 
     bar = tqdm(total=len(requests), unit="req", desc="generate", dynamic_ncols=True)
 
@@ -265,9 +266,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spec_strategy(args, spec: str):
-    """The draft Strategy (None for --spec off), checked before any work; with a depth
-    schedule, its strategy with the most draft nodes (it sizes the KV pool)."""
+def _spec_checked(args, spec: str):
+    """The --spec flags' policy (spec.decode.BatchSchedulePolicy; None for --spec off),
+    checked before any work."""
     drafter = _arg(args, "drafter", None)
     if spec == "off":
         if drafter:
@@ -285,23 +286,16 @@ def _spec_strategy(args, spec: str):
     ngram = _arg(args, "spec_ngram", 4)
     if ngram < 1:
         raise TLTError(f"--spec-ngram must be >= 1, got {ngram}")
+    from megatron_tlt.spec.decode import depth_policy
     try:
-        policy = _spec_policy(args)
+        return depth_policy(_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
+                            num_verify_tokens=_arg(args, "spec_num_verify", None), threshold=threshold)
     except TLTError as e:
         raise TLTError(f"--spec flags: {e}") from None
-    return max(policy.strategies, key=lambda st: st.num_draft_nodes)  # sizes the KV room
 
 
-def _spec_policy(args):
-    from megatron_tlt.spec.decode import depth_policy
-    return depth_policy(_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
-                        num_verify_tokens=_arg(args, "spec_num_verify", None),
-                        threshold=_arg(args, "spec_threshold", None))
-
-
-def _spec_decoder(args, spec, strategy, arch, weights):
-    """The SpecDecoder of the --spec flags (`strategy`: _spec_strategy's, or None for the
-    caller to set a policy)."""
+def _spec_decoder(args, spec, policy, arch, weights):
+    """A SpecDecoder with `spec`'s drafter (args.drafter for eagle) and this policy."""
     from megatron_tlt.spec.decode import SpecDecoder
 
     if spec == "eagle":
@@ -312,8 +306,7 @@ def _spec_decoder(args, spec, strategy, arch, weights):
     else:
         from megatron_tlt.spec.ngram import NgramDrafter
         drafter = NgramDrafter(max_ngram=_arg(args, "spec_ngram", 4))
-    return SpecDecoder(drafter, strategy, threshold=_arg(args, "spec_threshold", None),
-                       policy=None if strategy is None else _spec_policy(args))
+    return SpecDecoder(drafter, policy=policy)
 
 
 def _report_spec(args, summary: dict) -> None:

@@ -126,10 +126,10 @@ class PlanFile:
             raise ConfigError(f"{PLANS_ENV}: {self.path} has a projection plan without a config")
         return plans, fused
 
-    def write(self, plans: dict, fused: dict) -> None:
+    def write(self, plans: dict, fused: dict) -> tuple[dict, dict]:
         """Add these plans to the file; entries already in it are kept as they are (another
         process may have written them since this one read it). Atomic: written to a
-        temporary file beside it, then renamed over it."""
+        temporary file beside it, then renamed over it. Returns what the file now holds."""
         disk_plans, disk_fused = self.read()
         plans = {**plans, **disk_plans}
         fused = {**fused, **disk_fused}
@@ -150,6 +150,7 @@ class PlanFile:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        return plans, fused
 
 
 def plan_file_from_env(device: torch.device) -> PlanFile | None:
@@ -192,7 +193,9 @@ class PlanCache:
         return planner
 
     def _read_file(self) -> None:
-        plans, fused = self.plan_file.read()
+        self._take(*self.plan_file.read())
+
+    def _take(self, plans: dict, fused: dict) -> None:
         self.plans.update(plans)  # the file's choice wins: other runs already used it
         self.fused.update(fused)
 
@@ -208,6 +211,5 @@ class PlanCache:
             cache[key] = tune()
             self.num_tuned += 1
             if self.plan_file is not None:
-                self.plan_file.write(self.plans, self.fused)
-                self._read_file()
+                self._take(*self.plan_file.write(self.plans, self.fused))
         return cache[key]

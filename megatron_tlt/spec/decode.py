@@ -76,7 +76,7 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
-from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder
+from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder, parse_depth_schedule  # noqa: F401 (re-exported)
 from megatron_tlt.spec.verify import nvtx_range, verify_tree_greedy, verify_tree_rejection
 from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_device
 
@@ -190,46 +190,6 @@ class TargetDrafter(Drafter):
         return trees
 
 
-class ThresholdPolicy:
-    """SD with one fixed strategy while the running batch is <= threshold (always if None)."""
-
-    def __init__(self, strategy: Strategy, threshold: int | None = None):
-        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
-            raise ConfigError(f"spec threshold must be an integer >= 0 or None, got {threshold!r}")
-        self.strategy = strategy
-        self.threshold = threshold
-
-    def __call__(self, batch_size: int) -> Strategy | None:
-        if self.threshold is not None and batch_size > self.threshold:
-            return None
-        return self.strategy
-
-
-def parse_depth_schedule(text: str | int) -> list[tuple[int | None, int]]:
-    """`--spec-depth`: one depth ("4", 4) or depths by running batch size,
-    "B1:D1,B2:D2,...": depth D1 while at most B1 sequences run, else D2 while at most B2,
-    ...; above the last bound, the last depth. Returns [(bound or None, depth)]."""
-    raw = str(text).strip()
-    if ":" not in raw:
-        try:
-            return [(None, int(raw))]
-        except ValueError:
-            raise ConfigError(f"spec depth {text!r}: expected an integer or BATCH:DEPTH pairs "
-                              "(e.g. 1:6,8:4,32:3)") from None
-    out: list[tuple[int | None, int]] = []
-    for part in raw.split(","):
-        try:
-            b, d = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise ConfigError(f"spec depth schedule {text!r}: {part!r} is not BATCH:DEPTH") from None
-        if b < 1 or d < 1:
-            raise ConfigError(f"spec depth schedule {text!r}: batch sizes and depths must be >= 1")
-        if out and b <= out[-1][0]:
-            raise ConfigError(f"spec depth schedule {text!r}: batch bounds must increase")
-        out.append((b, d))
-    return out
-
-
 class BatchSchedulePolicy:
     """SD with a strategy chosen by the running batch size: the first (bound, strategy)
     whose bound is >= the batch size, else the last strategy; none (plain decoding) above
@@ -239,8 +199,10 @@ class BatchSchedulePolicy:
     def __init__(self, schedule: list[tuple[int | None, Strategy]], threshold: int | None = None):
         if not schedule:
             raise ConfigError("spec schedule is empty")
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
+            raise ConfigError(f"spec threshold must be an integer >= 0 or None, got {threshold!r}")
         self.schedule = list(schedule)
-        self.threshold = ThresholdPolicy(schedule[-1][1], threshold).threshold
+        self.threshold = threshold
 
     @property
     def strategies(self) -> list[Strategy]:
@@ -253,6 +215,14 @@ class BatchSchedulePolicy:
             if bound is None or batch_size <= bound:
                 return st
         return self.schedule[-1][1]
+
+
+class ThresholdPolicy(BatchSchedulePolicy):
+    """SD with one fixed strategy while the running batch is <= threshold (always if None)."""
+
+    def __init__(self, strategy: Strategy, threshold: int | None = None):
+        super().__init__([(None, strategy)], threshold)
+        self.strategy = strategy
 
 
 def depth_policy(depth: str | int, *, topk: int = 1, num_verify_tokens: int | None = None,

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import types
 
@@ -278,7 +279,6 @@ class ResumeState:
     def open(self, resume: bool = True) -> bool:
         """Start this run's state; True when an unfinished run with the same settings left
         some to resume from (resume=False discards it)."""
-        import shutil
         if os.path.exists(self._path("args.json")):
             if not resume:
                 shutil.rmtree(self.dir)
@@ -319,7 +319,6 @@ class ResumeState:
 
     def save(self, trainer: DrafterTrainer) -> None:
         """The trainer's progress as the latest checkpoint."""
-        import shutil
         tmp, cur, old = self._path("ckpt.tmp"), self._path("ckpt"), self._path("ckpt.old")
         shutil.rmtree(tmp, ignore_errors=True)
         trainer.save_checkpoint(tmp)
@@ -348,7 +347,6 @@ class ResumeState:
         return False
 
     def finish(self) -> None:
-        import shutil
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

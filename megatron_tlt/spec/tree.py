@@ -79,6 +79,31 @@ class Strategy:
         return {"depth": self.depth, "topk": self.topk, "num_verify_tokens": self.num_draft_nodes + 1}
 
 
+def parse_depth_schedule(text: str | int) -> list[tuple[int | None, int]]:
+    """`--spec-depth`: one depth ("4", 4) or depths by running batch size,
+    "B1:D1,B2:D2,...": depth D1 while at most B1 sequences run, else D2 while at most B2,
+    ...; above the last bound, the last depth. Returns [(bound or None, depth)]."""
+    raw = str(text).strip()
+    if ":" not in raw:
+        try:
+            return [(None, int(raw))]
+        except ValueError:
+            raise ConfigError(f"spec depth {text!r}: expected an integer or BATCH:DEPTH pairs "
+                              "(e.g. 1:6,8:4,32:3)") from None
+    out: list[tuple[int | None, int]] = []
+    for part in raw.split(","):
+        try:
+            b, d = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ConfigError(f"spec depth schedule {text!r}: {part!r} is not BATCH:DEPTH") from None
+        if b < 1 or d < 1:
+            raise ConfigError(f"spec depth schedule {text!r}: batch sizes and depths must be >= 1")
+        if out and b <= out[-1][0]:
+            raise ConfigError(f"spec depth schedule {text!r}: batch bounds must increase")
+        out.append((b, d))
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class DraftTree:
     """One sequence's proposal. tokens[0] is the root (the last committed token)."""
