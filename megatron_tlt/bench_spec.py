@@ -322,6 +322,9 @@ def main(args: argparse.Namespace) -> int:
         for mode in [None] + opts.drafter_names:
             _run(engine, decoders.get(mode), [prompts[:b]], opts, f"warmup-b{b}-{mode}", clock,
                  max_new_tokens=min(16, opts.max_new_tokens))
+    # Every verify shape a timed run can meet, captured now: a chain cut short near
+    # max_new_tokens verifies fewer rows, which the short warm-ups may not have met.
+    engine.capture_verify_graphs(max_b, most_nodes + 1)
     def save(rows: list[dict], complete: bool) -> None:
         """The JSON report; written after every batch size too, so a cut run keeps what
         it measured ("complete": false)."""
@@ -333,7 +336,11 @@ def main(args: argparse.Namespace) -> int:
                   "engine": {"dtype": str(weights.dtype).replace("torch.", ""),
                              "attention_backend": "triton" if engine.decode_runner is not None else "torch",
                              "cuda_graphs": bool(fast_path_options(device).get("cuda_graphs")),
-                             "verify_graph_rows": _verify_graph_rows(engine)},
+                             "verify_graph_rows": _verify_graph_rows(engine),
+                             # torch's intra-op CPU threads (rollout.host.limit_host_threads)
+                             # and the kernel-plan file every process of a sweep shares
+                             "host_threads": torch.get_num_threads(),
+                             "linear_plans": os.environ.get("MEGATRON_TLT_LINEAR_PLANS") or None},
                   "definitions": {
                       "tokens_per_s": "generated tokens / wall seconds of engine.generate (median of repeats); "
                                       "per prompt set unless --continuous (all sets in one call, at most "

@@ -13,8 +13,9 @@
 # 4. with SFT_OUT_DIR: waits for the SFT until WAIT_UNTIL seconds into the script
 #    (default 570) and copies its log.
 # Beside the SFT the tests share the GPU: in session 11 they got 45 % through in 420 s
-# (all of them took 431 s on an idle H200) and the SFT took 560 s (281-338 s alone), so
-# running both in one call saves no device time; prefer the SFT alone, then the tests.
+# (all of them took 431 s on an idle H200) and the SFT took 560 s (532 s alone in
+# session 12), so running both in one call saves no device time; prefer the SFT alone,
+# then the tests.
 set -uo pipefail
 RESULTS=${1:?usage: h200_gpu_checks.sh RESULTS_DIR [SFT_OUT_DIR]}
 SFT_OUT=${2:-}

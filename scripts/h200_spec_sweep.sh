@@ -34,11 +34,17 @@
 # recorded in the bench JSON (MEGATRON_TLT_GIT_REV).
 # An SFT still running in the background (h200_gpu_checks.sh) is waited for, up to
 # WAIT_SFT seconds (default 300).
+# Every run reads and extends one kernel-plan file, OUT_DIR/linear_plans.json
+# (MEGATRON_TLT_LINEAR_PLANS, unless set): the planner picks cuBLAS or a Triton kernel per
+# projection shape by timing, and separately timed processes disagree on some shapes
+# (session 11), so without one file two benches' plain baselines may run other kernels
+# (session 12: plain steps of one target differed by up to 13 % between two processes).
 set -euo pipefail
 OUT=${1:?usage: h200_spec_sweep.sh OUT_DIR [RESULTS_DIR]}
 RESULTS=${2:-}
 PY=${PYTHON:-python3}
 keep() { [ -n "$RESULTS" ] && mkdir -p "$RESULTS" && cp "$@" "$RESULTS"/ 2>/dev/null; true; }
+export MEGATRON_TLT_LINEAR_PLANS=${MEGATRON_TLT_LINEAR_PLANS:-$OUT/linear_plans.json}
 t0=$(date +%s)
 while [ ! -f "$OUT/sft/hf/config.json" ] && [ -f "$OUT/sft.log" ] && ! grep -q "stopping at" "$OUT/sft.log" \
       && [ $(( $(date +%s) - t0 )) -lt "${WAIT_SFT:-300}" ]; do
@@ -86,6 +92,7 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
         --prompt-sets "${SWEEP_PROMPT_SETS:-4}" ${SWEEP_BENCH_ARGS:-} 2>&1 \
         | grep -E "^B=|wrote|Error|error" | tee "$OUT/$name.log"
     keep "$json" "$OUT/$name.log"
+    [ -f "$MEGATRON_TLT_LINEAR_PLANS" ] && keep "$MEGATRON_TLT_LINEAR_PLANS"
     echo "[spec_sweep] bench $d depth $k done at $(( $(date +%s) - t0 )) s"
   done
 done

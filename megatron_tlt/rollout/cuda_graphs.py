@@ -491,6 +491,31 @@ class DecodeRunner:
     def num_verify_graphs(self) -> int:
         return len(self._vgraphs)
 
+    def capture_verify_graphs(self, max_batch: int, max_q: int) -> int:
+        """Capture now every verify graph that steps of up to `max_batch` sequences and
+        2..max_q query rows can replay (each bucket up to max_batch's that
+        `verify_graph_bucket` serves) and that is not captured yet; returns how many were.
+        Otherwise each is captured at its first use, which costs that step tens of
+        milliseconds: a chain cut short by max_new_tokens verifies fewer rows, so such
+        shapes turn up late and at random (session 12: one inside a timed bench run)."""
+        if not self.use_graphs:
+            return 0
+        if self.cache.is_sleeping:
+            raise RuntimeError("DecodeRunner.capture_verify_graphs() while the KV cache is asleep; wake() first")
+        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
+            self.release()  # the KV pool moved (sleep/wake): every graph is stale, as in verify_rows
+        top = self.bucket_for(min(max_batch, self.max_batch))
+        n = 0
+        for bucket in self.buckets:
+            for q in range(2, max_q + 1):
+                if bucket > top or self.verify_graph_bucket(bucket, q) != bucket or (bucket, q) in self._vgraphs:
+                    continue
+                st = self._verify_stage(bucket, q)
+                self._capture_verify(bucket, q, st["views"])
+                st["mask_rows"] = -1  # the capture left padding in the device mask
+                n += 1
+        return n
+
     # ---- graphs -----------------------------------------------------------------------
 
     def capture(self) -> None:

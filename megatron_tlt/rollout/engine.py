@@ -533,6 +533,14 @@ class RolloutEngine:
         return self.model.forward(ids, pos, self.cache, meta, logits_indices=None,
                                   return_hidden=return_hidden)
 
+    def capture_verify_graphs(self, max_batch: int, max_q: int) -> int:
+        """Capture the verify graphs of up to max_batch sequences x 2..max_q query rows
+        now rather than at first use (DecodeRunner.capture_verify_graphs); the number
+        captured, 0 where verifies take no graphs (CPU, eager, batch-invariant engines)."""
+        if not self._fused_verify():
+            return 0
+        return self.decode_runner.capture_verify_graphs(max_batch, max_q)
+
     def _fused_verify(self) -> bool:
         """Verify through the decode runner's fused kernels (a third of the generic
         forward's launches): on a GPU engine with the Triton backend, unless the engine is

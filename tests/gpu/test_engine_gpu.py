@@ -537,6 +537,37 @@ def test_verify_graphs_match_eager_verify_fp32():
     assert rel_err(gk, ek) > 1e-3
 
 
+def test_capture_verify_graphs_up_front():
+    """engine.capture_verify_graphs(max_batch, max_q) captures every (bucket, Q) a verify
+    of up to max_batch sequences and 2..max_q rows replays (buckets 1, 2, 4 x Q 2..5 for
+    3 sequences), a second call captures none, and verifies of those shapes then replay
+    without a capture and equal the eager engine's (logits, KV pool)."""
+    runs = []
+    for eng, seqs, arch in _graph_then_eager_fp32():
+        n = eng.capture_verify_graphs(3, 5)
+        r = eng.decode_runner
+        if r.use_graphs:
+            assert n == 12 and r.num_verify_graphs == 12
+            assert eng.capture_verify_graphs(3, 5) == 0  # nothing left to capture
+        else:
+            assert n == 0 and r.num_verify_graphs == 0
+        g = torch.Generator().manual_seed(1)
+        got = []
+        for batch, q in ((3, 5), (1, 2), (2, 4)):
+            mask = tree_masks(batch, q, g)
+            base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
+            tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
+            got.append(eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1,
+                                                 mask).logits.clone())
+        if r.use_graphs:
+            assert r.num_verify_graphs == 12 and r.num_verify_replays == 3  # no capture
+        runs.append((got, eng.cache.k[0].clone()))
+    (g_out, gk), (e_out, ek) = runs
+    for x, y in zip(g_out, e_out):
+        assert x.shape == y.shape and rel_err(x, y) < 1e-5
+    assert rel_err(gk, ek) < 1e-5
+
+
 def test_decode_graph_hidden_states_match_eager():
     """forward_pending(return_hidden=True) on a graph engine is served by the decode graph
     (a speculative decoder's plain steps): hidden states and logits equal the same fused

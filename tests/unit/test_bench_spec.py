@@ -24,7 +24,8 @@ def _drafter(out):
     return str(out)
 
 
-def test_bench_spec_cpu(tmp_path, capsys):
+def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MEGATRON_TLT_LINEAR_PLANS", raising=False)
     path = tmp_path / "spec.json"
     rc = main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
                "--drafters", "eagle,ngram,eagle-readback", "--batch-sizes", "1,3", "--max-new-tokens", "12",
@@ -35,6 +36,9 @@ def test_bench_spec_cpu(tmp_path, capsys):
     assert report["command"].startswith("megatron-tlt bench spec --json ")
     assert report["git_revision"] and report["engine"]["attention_backend"] == "torch"
     assert report["engine"]["dtype"] == "float32"  # auto on the CPU
+    # the CPU engine leaves torch's threads alone; no plan file named
+    assert report["engine"]["host_threads"] == torch.get_num_threads()
+    assert report["engine"]["linear_plans"] is None
     assert report["complete"] is True
     rows = {(r["batch"], r["mode"]): r for r in report["results"]}
     assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle-readback", "ngram", "off")]
