@@ -47,7 +47,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--drafters", default=None,
                    help="comma-separated: eagle, ngram, eagle-readback (EAGLE reading every "
                         "step's drafts back before verifying, MEGATRON_TLT_SPEC_DEFER=0's step, "
-                        "for a side-by-side comparison) (default: eagle with --drafter, else ngram)")
+                        "for a side-by-side comparison), eagle-ahead (EAGLE queuing each step's "
+                        "chain before the host reads the previous verification, "
+                        "MEGATRON_TLT_SPEC_AHEAD=1's step); NAME@D: chain depth D "
+                        "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -106,8 +109,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
-        raise TLTError(f"bench spec: --drafters takes eagle, ngram and/or eagle-readback, each "
-                       f"optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
+        raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback and/or eagle-ahead, "
+                       f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
     from megatron_tlt.spec.tree import parse_depth_schedule
@@ -119,7 +122,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
 def _mode(name: str) -> tuple[str, int | None] | None:
     """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
     kind, _, depth = name.partition("@")
-    if kind not in ("eagle", "ngram", "eagle-readback"):
+    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead"):
         return None
     if not depth:
         return kind, None
@@ -135,6 +138,10 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
     return [(str(pid), ids) for pid, ids in out[:n]]
 
 
+# SpecDecoder's step counts among _counters: reported per run, not as events
+_STEP_COUNTS = ("deferred_steps", "ahead_steps", "adopted_steps")
+
+
 def _counters(engine, decoder) -> dict[str, int]:
     """Counters of the work that should happen once (graph captures, kernel-planner
     timings), to show that none of it fell into a timed run."""
@@ -146,6 +153,8 @@ def _counters(engine, decoder) -> dict[str, int]:
                    planner_timings=r.model.planner.num_tuned)
     if decoder is not None:
         out["deferred_steps"] = decoder.num_deferred
+        out["ahead_steps"] = decoder.num_ahead
+        out["adopted_steps"] = decoder.num_adopted
         m = decoder._math
         if m is not None:
             out["verify_math_captures"] = m.num_captures
@@ -208,7 +217,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).
            "events": {k: after[k] - before.get(k, 0) for k in after
-                      if k != "deferred_steps" and after[k] != before.get(k, 0)},
+                      if k not in _STEP_COUNTS and after[k] != before.get(k, 0)},
            # wall seconds of those captures inside this run (part of wall_s)
            "capture_s": _capture_seconds(engine, decoder) - capture0}
     if prof is not None:
@@ -219,7 +228,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
         t = decoder.metrics.summary()["total"]
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
                    num_drafts=t["num_drafts"], drafted=t["drafted"], fallbacks=t["fallbacks"],
-                   deferred_steps=after["deferred_steps"] - before["deferred_steps"])
+                   **{k: after[k] - before[k] for k in _STEP_COUNTS})
     return row
 
 
@@ -302,6 +311,9 @@ def main(args: argparse.Namespace) -> int:
                                              policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
+        # eagle-ahead: the next step's chain queued before the verification is read
+        # (SpecDecoder draft_ahead); plain eagle follows MEGATRON_TLT_SPEC_AHEAD
+        dec.draft_ahead = True if kind == "eagle-ahead" else dec.draft_ahead
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:

@@ -2,7 +2,9 @@
 wraps the step's functions with perf_counter stamps (inclusive wall per call) and counts
 the time the host spends blocked in device-to-host reads (`Tensor.cpu`, `.tolist`,
 `.item`), on a random-weight model of a benchmark shape, plain decoding and EAGLE
-(random one-layer drafter, chain depth 4, deferred drafts where the decoder takes them).
+(random one-layer drafter, chain depth 4, deferred drafts where the decoder takes them),
+and EAGLE with the draft-ahead (`eagle-ahead`: SpecDecoder.draft_ahead; `ahead_adopted`:
+draft-aheads queued and adopted over the three runs of that mode).
 
     python tools/host_timeline.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
 
@@ -58,6 +60,8 @@ WRAPPED = [
     "megatron_tlt.spec.eagle_graph:ChainLaunch.advance_draws",
     "megatron_tlt.spec.eagle_graph:ChainLaunch.queue_failures",
     "megatron_tlt.spec.eagle_graph:ChainLaunch.settle",
+    "megatron_tlt.spec.eagle_graph:ChainGraphs.launch_ahead",
+    "megatron_tlt.spec.eagle:EagleProposer.adopt",
     "megatron_tlt.spec.verify_math:VerifyMath.plan",
     "megatron_tlt.spec.verify_math:VerifyMath.run",
     "megatron_tlt.spec.verify_math:VerifyMath._load",
@@ -194,8 +198,11 @@ def main() -> None:
     report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev),
               "torch_threads": torch.get_num_threads(), "results": []}
     for b in sizes:
-        for mode, dec in (("off", None), ("eagle", decoder)):
+        for mode, dec in (("off", None), ("eagle", decoder), ("eagle-ahead", decoder)):
             engine.spec_decoder = dec
+            if dec is not None:  # eagle-ahead: SpecDecoder's draft-ahead (MEGATRON_TLT_SPEC_AHEAD)
+                dec.draft_ahead = mode == "eagle-ahead"
+                n_ahead, n_adopted = dec.num_ahead, dec.num_adopted
             engine.generate(_requests(f"warm-{mode}-{b}", prompts[:b], a.temperature, a.new))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -220,6 +227,7 @@ def main() -> None:
                    "blocked_in_reads_ms_per_step": 1e3 * tl.blocked / steps,
                    "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
                    "deferred_steps": getattr(dec, "num_deferred", None),
+                   "ahead_adopted": None if dec is None else [dec.num_ahead - n_ahead, dec.num_adopted - n_adopted],
                    "gc_collections": list(tl.gc_n),
                    "gc_ms_per_step": 1e3 * sum(tl.gc_s) / steps,
                    "functions": {k: {"calls_per_step": round(tl.calls[k] / steps, 2),

@@ -55,6 +55,18 @@ does). A row whose drafter failed (non-finite) is verified as its root alone, no
 it is kept, its stream is set back to where the read-back path leaves it and it decodes
 plainly after the verification (a fallback, as before).
 
+Draft-ahead (`_ahead_fn`, off by default until timed on a GPU; MEGATRON_TLT_SPEC_AHEAD=1
+or SpecDecoder(draft_ahead=True) turns it on): a deferred step whose sequences will all
+draft a full-depth chain again at the next step (room for depth + 1 more tokens twice,
+the same strategy at this batch size, no plain row) queues the next step's drafting
+(`Drafter.launch_ahead`) between its verification math and the host's read of it,
+building the drafter's inputs on the device from the verification's outputs (accepted
+tokens, bonus, the accepted nodes' hidden states); the host's bookkeeping then overlaps
+the drafter instead of preceding it. The next step adopts it (`Drafter.adopt`) only when
+it is exactly what `launch` would start then (same sequences, states, draws, setting, no
+row failed); otherwise it is dropped and the step launches anew, so tokens, logprobs and
+noise draws are those of the steps without it.
+
 Drafter interface (`Drafter`): `feature` names the target hidden states it needs
 ("final" or None); the decoder passes the rows of every newly committed position through
 `observe`, in order, plain steps included, so a drafter can catch up lazily when SD turns
@@ -83,6 +95,7 @@ from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_devi
 logger = logging.getLogger(__name__)
 
 DEFER_ENV = "MEGATRON_TLT_SPEC_DEFER"
+AHEAD_ENV = "MEGATRON_TLT_SPEC_AHEAD"
 DEFER_MAX_BATCH = 16
 """Deferred drafts by default up to this batch: on the H200 (1.5B target, depth-4 chains,
 benchmarks/results/gpu_2026-12-03_session9) a step took 2-9% less wall than reading the
@@ -111,6 +124,16 @@ class Drafter:
     def launch(self, seqs: list, strategy: Strategy, caps: list[int], running: list):
         """Optional: start a proposal without reading it back (a chain whose drafts stay on
         the device for the verification; eagle_graph.ChainLaunch), or None (then propose)."""
+        return None
+
+    def launch_ahead(self, launched, verify_out, gidx: torch.Tensor, hidden: torch.Tensor):
+        """Optional: queue the next step's proposal for `launched`'s sequences from the
+        verification still on the device (SpecDecoder's draft-ahead), or None."""
+        return None
+
+    def adopt(self, ahead, seqs: list, strategy: Strategy, caps: list[int]):
+        """Optional: the launch of a draft-ahead when it is exactly what `launch` would
+        start for this step, else None (then launch anew)."""
         return None
 
     def release(self, seq) -> None:
@@ -240,7 +263,7 @@ class SpecDecoder:
                  policy: Callable[[int], Strategy | None] | None = None,
                  metrics: SpecMetrics | None = None, verify_impl: str | None = None,
                  fast_verify: bool = True, verify_graphs: bool | None = None,
-                 defer_drafts: bool | int | None = None):
+                 defer_drafts: bool | int | None = None, draft_ahead: bool | None = None):
         """fast_verify: the static-buffer verification path (`VerifyMath`) for the steps it
         covers (False: every step takes the general path). verify_graphs: replay its math
         from CUDA graphs on a CUDA engine; None: unless MEGATRON_TLT_VERIFY_MATH_GRAPHS=0.
@@ -248,7 +271,8 @@ class SpecDecoder:
         (Drafter.launch) verify them there, with no host round trip in between (see
         `_deferred`): True at any batch size, an int N up to N sequences, False never;
         None: MEGATRON_TLT_SPEC_DEFER (0 never, N up to N), default up to
-        DEFER_MAX_BATCH."""
+        DEFER_MAX_BATCH. draft_ahead: queue the next step's drafting before reading the
+        verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (1 on, default 0)."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -267,6 +291,17 @@ class SpecDecoder:
             defer_drafts = 1 << 30 if defer_drafts else 0
         self.defer_max_batch = int(defer_drafts)
         """Largest batch whose steps verify drafts left on the device (0: never)."""
+        if draft_ahead is None:
+            raw = os.environ.get(AHEAD_ENV, "0")
+            if raw not in ("0", "1"):
+                raise ConfigError(f"{AHEAD_ENV} must be 0 or 1, got {raw!r}")
+            draft_ahead = raw == "1"
+        self.draft_ahead = bool(draft_ahead)
+        self._ahead = None  # the draft-ahead queued by the last step, if any
+        self.num_ahead = 0
+        """Draft-aheads queued."""
+        self.num_adopted = 0
+        """Draft-aheads the next step adopted (the rest were dropped)."""
         self._math: VerifyMath | None = None
         self.num_deferred = 0
         """Steps verified on drafts left on the device (`_deferred`)."""
@@ -311,11 +346,14 @@ class SpecDecoder:
         self._preemptions[seq.seq_id] = seq.num_preemptions
 
     def finish(self, seq) -> None:
+        if self._ahead is not None and seq.seq_id in self._ahead.seq_ids:
+            self._ahead = None
         self._preemptions.pop(seq.seq_id, None)
         self.drafter.finish(seq)
         finalize_request_stats(seq.spec_stats)
 
     def reset(self) -> None:
+        self._ahead = None
         self._preemptions.clear()
         self.drafter.reset()
 
@@ -370,8 +408,12 @@ class SpecDecoder:
         if cand:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 self.drafter.bind(engine)
-                launched = (self.drafter.launch(cand, strategy, caps, seqs)
-                            if len(cand) <= self.defer_max_batch else None)
+                ahead, self._ahead, launched = self._ahead, None, None
+                if ahead is not None and len(cand) <= self.defer_max_batch:
+                    launched = self.drafter.adopt(ahead, cand, strategy, caps)
+                    self.num_adopted += launched is not None
+                if launched is None and len(cand) <= self.defer_max_batch:
+                    launched = self.drafter.launch(cand, strategy, caps, seqs)
                 if launched is not None:
                     spec = self._deferred(engine, launched)
                     if spec is None:  # not this step: read the drafts back now
@@ -394,7 +436,9 @@ class SpecDecoder:
                 self._plain(engine, plain)
         verified = drafted = accepted = emitted = 0
         if spec:
-            verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched)
+            ahead = (self._ahead_fn(engine, spec, launched)
+                     if self.draft_ahead and launched is not None and not plain else None)
+            verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched, ahead)
             if failed:  # the drafter failed on the device (deferred step): decode them plainly
                 for s in failed:
                     self._fallback(s, "non-finite drafter logits")
@@ -466,7 +510,25 @@ class SpecDecoder:
             s.spec_stats["plain_steps"] += 1
         engine.sample_and_append(seqs, out.logits)
 
-    def _verify(self, engine, spec, launched=None) -> tuple[int, int, int, int, list]:
+    def _ahead_fn(self, engine, spec, launched):
+        """The callback VerifyMath.run calls to queue the next step's drafting before the
+        host reads this verification, when every sequence of this deferred step (all of
+        the step's sequences) will draft a full-depth chain again at the next step whatever
+        it accepts now: this step emits at most depth + 1 tokens, the next needs room for
+        depth + 1 more (the same batch size picks the same strategy); else None."""
+        depth = launched.depth
+        for s, _ in spec:
+            left = s.request.sampling_params.max_new_tokens - s.num_output
+            if min(left, engine.max_model_len - len(s.token_ids)) < 2 * depth + 2:
+                return None
+
+        def ahead(verify_out, gidx, hidden):
+            launched.keep_ints()  # settle may read this step's drafts after the next replay
+            self._ahead = self.drafter.launch_ahead(launched, verify_out, gidx, hidden)
+            self.num_ahead += self._ahead is not None
+        return ahead
+
+    def _verify(self, engine, spec, launched=None, ahead=None) -> tuple[int, int, int, int, list]:
         """Verify, commit and append: (sequences verified, drafted, accepted, emitted,
         sequences whose deferred drafts failed: not committed, for a plain step)."""
         seqs = [s for s, _ in spec]
@@ -497,12 +559,16 @@ class SpecDecoder:
         with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
             if plan is not None:
                 host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts,
-                                           draft_probs=None if launched is None else launched.out.get("probs"))
+                                           draft_probs=None if launched is None else launched.out.get("probs"),
+                                           ahead=None if ahead is None else
+                                           (lambda vo, g: ahead(vo, g, out.hidden_final)))
                 width = q
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))
                 width, gidx = batch.max_depth + 1, None
         failed = launched.settle() if launched is not None else [False] * bsz
+        if any(failed):
+            self._ahead = None  # a failed row decodes plainly: not what the draft-ahead assumed
         paths = []  # accepted nodes (host rows are floats: one int() per value read)
         for row in host_rows:
             paths.append(list(map(int, row[:int(row[width]) + 1])))

@@ -681,6 +681,36 @@ class EagleProposer(Drafter):
             return None
         return cg.launch(seqs, strategy, caps, setting)
 
+    @torch.no_grad()
+    def launch_ahead(self, launched, verify_out, gidx, hidden):
+        """The next chain step queued from the device's verification outputs
+        (ChainGraphs.launch_ahead) for a static-path launch, else None."""
+        cg = self._chain_graphs
+        if cg is None or launched.setting is None:
+            return None
+        return cg.launch_ahead(launched, verify_out, gidx, hidden)
+
+    def adopt(self, ahead, seqs, strategy, caps):
+        """`ahead`'s launch when it drafted exactly what `launch` would now: the same
+        sequences in the same order with the same per-sequence states (no preemption, no
+        release), each sequence's first new pair where the draft-ahead started it and the
+        new pairs its verification implied (`setting`'s checks), the same depth, sampling
+        setting and noise draws, and no chain capped below the depth; else None."""
+        cg = self._chain_graphs
+        depth = min(strategy.depth, strategy.num_draft_nodes)
+        if (cg is None or ahead.graphs is not cg or ahead.depth != depth
+                or [s.seq_id for s in seqs] != ahead.seq_ids or min(caps) < depth):
+            return None
+        for i, s in enumerate(seqs):
+            st = self.states.get(s.seq_id)
+            if st is not ahead.states[i] or st.num_pairs != ahead.lo[i]:
+                return None
+            if ahead.draws is not None and s.rng.draws != ahead.draws[i]:
+                return None
+        if cg.setting(seqs, strategy) != ahead.setting:
+            return None
+        return cg.adopt(ahead, seqs, caps)
+
     def _catch_up(self, seqs) -> None:
         """Sequences with more committed pairs waiting than a query tile (new ones, one
         re-prefilled after a preemption) run all but their newest pair through one eager

@@ -230,7 +230,75 @@ class ChainGraphs:
             st.pending = []
         draws = [s.rng.draws for s in seqs] if sampled else None
         return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=depth, out=out, draws=draws,
-                           _bad_host=buf["bad_host"][:n_seq])
+                           _bad_host=buf["bad_host"][:n_seq], setting=setting)
+
+    @torch.no_grad()
+    def launch_ahead(self, launched: "ChainLaunch", verify_out, gidx: torch.Tensor,
+                     hidden: torch.Tensor) -> "ChainAhead":
+        """The next chain step of `launched`'s sequences, queued before the host has read
+        this step's verification (SpecDecoder's draft-ahead): the inputs `launch` would
+        build after the bookkeeping, built on the device from the verification's outputs
+        still there. Sequence r's new pairs are its accepted tokens and bonus,
+        verify_out.output_tokens[r, :n] with n = accept_length[r] + 1, and their features
+        are the verify forward's hidden rows gidx[r, :n] (what the host would observe);
+        every other input (slot, first pair = the root position, noise key and draw) is
+        known on the host already. Same values in the same static buffers as `launch`
+        (tokens and features beyond n zero, padding rows as there), so the same replay.
+        The proposer's bookkeeping is left alone until `adopt`; a step that does not
+        adopt it launches anew, rewriting the same pair KV."""
+        p, seqs, depth, setting = self.p, launched.seqs, launched.depth, launched.setting
+        n_seq = len(seqs)
+        bucket = next(b for b in BUCKETS if b >= n_seq)
+        if depth + 1 > QUERY_TILE:
+            raise ValueError(f"draft-ahead: depth {depth} + 1 exceeds a query tile ({QUERY_TILE})")
+        states = [p.states[s.seq_id] for s in seqs]
+        lo = [len(s.token_ids) - 1 for s in seqs]  # the pairs `launched` committed
+        pad = self._pad()
+        p.kv.ensure_capacity(max(lo) + QUERY_TILE + depth)
+        buf = self._buffers(bucket)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        rows = [[0] * _NCOL for _ in range(bucket)]
+        for r in range(n_seq, bucket):
+            rows[r][_SLOT], rows[r][_N] = pad, 1
+        sampled = setting[0] == "sampled"
+        draws = [s.rng.draws for s in seqs] if sampled else None
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            row = rows[r]
+            row[_SLOT], row[_LO] = st.slot, lo[r]
+            if sampled:
+                row[_KEY], row[_DRAW] = s.rng.key, draws[r]
+        buf["host"].numpy()[:] = rows
+        ints, feats = buf["ints"], buf["feats"]
+        ints.copy_(buf["host"], non_blocking=True)
+        if ints.is_cuda:
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        q1 = depth + 1
+        n = verify_out.accept_length[:n_seq] + 1  # [B] new pairs per sequence
+        keep = torch.arange(q1, device=ints.device)[None, :] < n[:, None]  # [B, Q]
+        toks = verify_out.output_tokens[:n_seq, :q1].masked_fill(~keep, 0)
+        ints[:n_seq, _TOK:_TOK + q1] = toks
+        ints[:n_seq, _N] = n
+        feats.zero_()
+        h = hidden.index_select(0, gidx[:n_seq, :q1].reshape(-1)).view(n_seq, q1, -1)
+        tile = feats.view(bucket, QUERY_TILE, -1)
+        tile[:n_seq, :q1] = h.to(feats.dtype).masked_fill(~keep[:, :, None], 0)
+        out = self._run(bucket, depth, setting, buf)
+        return ChainAhead(graphs=self, seq_ids=[s.seq_id for s in seqs], states=states, lo=lo,
+                          depth=depth, setting=setting, draws=draws, out=out,
+                          bad_host=buf["bad_host"][:n_seq])
+
+    def adopt(self, ahead: "ChainAhead", seqs, caps) -> "ChainLaunch":
+        """The ChainLaunch of a draft-ahead the proposer found valid for this step
+        (EagleProposer.adopt): its bookkeeping, as `launch` does."""
+        for s, st in zip(seqs, ahead.states):
+            st.num_pairs = len(s.token_ids) - 1
+            st.pending = []
+        self.num_steps += 1
+        return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=ahead.depth, out=ahead.out,
+                           draws=ahead.draws, _bad_host=ahead.bad_host, setting=ahead.setting)
 
     def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
         if not self.use_graphs:
@@ -348,6 +416,25 @@ class ChainGraphs:
         return out
 
 
+@dataclasses.dataclass(eq=False)
+class ChainAhead:
+    """A chain step queued before the previous step's verification was read
+    (ChainGraphs.launch_ahead), waiting for EagleProposer.adopt."""
+
+    graphs: ChainGraphs
+    seq_ids: list
+    states: list
+    """The proposer's per-sequence states at launch (the same objects must still be there)."""
+    lo: list[int]
+    """Each sequence's first new pair (its root position at the previous step)."""
+    depth: int
+    setting: tuple
+    draws: list[int] | None
+    """Sampled: each noise stream's draw count the chain started from."""
+    out: dict[str, torch.Tensor]
+    bad_host: torch.Tensor
+
+
 @dataclasses.dataclass
 class ChainLaunch:
     """A chain step replayed but not yet read back (ChainGraphs.launch)."""
@@ -366,6 +453,15 @@ class ChainLaunch:
     """The verification's FastPlan, set by the SpecDecoder that verifies these drafts on
     the device."""
     _bad_host: torch.Tensor | None = None
+    setting: tuple | None = None
+    """The sampling setting the chains were drafted with (ChainGraphs.setting)."""
+
+    def keep_ints(self) -> None:
+        """Hold a device copy of the tokens and finiteness flags, for `settle` after a
+        draft-ahead replays the same graph (whose static outputs these are) before the
+        host reads this step's failures."""
+        n = len(self.seqs)
+        self.out = dict(self.out, ints=self.out["ints"][:n].clone())
 
     @staticmethod
     def _drafted(row: list[int], depth: int, levels: int) -> tuple[int, bool]:

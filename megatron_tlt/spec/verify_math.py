@@ -317,6 +317,7 @@ class VerifyMath:
             logits: torch.Tensor,  # [B * Q, vocab] the verify forward's logits
             drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
             draft_probs: torch.Tensor | None = None,
+            ahead=None,
             ) -> tuple[list[list[float]], torch.Tensor]:
         """(host rows [B][4Q + 1], accepted nodes' rows of the verify output [B, Q] on the
         device). drafts: chains whose tokens are still on the device (trees of their
@@ -325,7 +326,12 @@ class VerifyMath:
         draft_probs: sampled mode, the draft distributions [>= B, Q, vocab] float32 on
         the device (rows 0..B-1 used) read where they are (e.g. the chain drafter's static
         output) instead of from `draft_probs_buffer`; copied there when their shape does
-        not cover the bucket."""
+        not cover the bucket.
+        ahead: called as ahead(verify_output, gidx) (the math's static outputs on the
+        device, rows 0..B-1 real) after the math is queued and before the host waits for
+        it; on CUDA the results' copy to the host is queued before the call, so work the
+        call queues (the next step's drafting: SpecDecoder's draft-ahead) runs on the
+        device while the host reads the results and does its bookkeeping."""
         self._reserve(plan.bucket * plan.q)
         st = self._small(plan.bucket, plan.q)
         dp = None
@@ -353,7 +359,24 @@ class VerifyMath:
         else:
             self._math(plan.mode, plan.bucket, plan.q, src, plan.ban, dp)
         self.num_steps += 1
-        return st["out"][:plan.batch].cpu().tolist(), st["gidx"][:plan.batch]  # the one D2H copy
+        out = st["out"][:plan.batch]
+        if ahead is None:
+            return out.cpu().tolist(), st["gidx"][:plan.batch]  # the one D2H copy
+        if out.is_cuda:
+            host = st.get("out_host")
+            if host is None:
+                host = st["out_host"] = torch.zeros(st["out"].shape, dtype=st["out"].dtype, pin_memory=True)
+                st["out_ready"] = torch.cuda.Event()
+            # The previous step read this pinned buffer after its event: free to overwrite.
+            host[:plan.batch].copy_(out, non_blocking=True)
+            st["out_ready"].record()
+            ahead(st["verify"], st["gidx"])
+            st["out_ready"].synchronize()  # the results only, not what ahead queued after them
+            rows = host[:plan.batch].tolist()
+        else:
+            rows = out.tolist()
+            ahead(st["verify"], st["gidx"])
+        return rows, st["gidx"][:plan.batch]
 
     def _capture(self, plan: FastPlan, src: torch.Tensor,
                  dp: torch.Tensor | None = None) -> "torch.cuda.CUDAGraph":

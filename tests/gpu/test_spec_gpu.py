@@ -228,32 +228,51 @@ def test_greedy_spec_with_verify_math_graphs_equals_plain(model_dir, strategy):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_drafter"])
-def test_deferred_drafts_equal_read_back_on_gpu(model_dir, temperature, nan):
-    """bf16 Triton engine with every graph on (decode, verify, verify math, drafter
-    chains): verifying the drafts on the device (SpecDecoder._deferred, the default)
-    gives bit for bit the tokens, logprobs and processed logprobs of reading them back
-    first (defer_drafts=False); with a non-finite drafter every deferred row falls back
-    to a plain step exactly as on the read-back path."""
-    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=32, seed=5)
+def _on_off_on_gpu(model_dir, key: str, temperature: float, nan: bool, new: int):
+    """((results, decoder) with SpecDecoder(key=True), the same with key=False): bf16
+    Triton engine with every graph on (decode, verify, verify math, drafter chains), 4
+    prompts x 2, optionally a non-finite drafter; asserts the two runs' tokens, logprobs,
+    processed logprobs and fallbacks are equal bit for bit."""
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=new, seed=5)
     out = {}
-    for defer in (True, False):
-        e = _spec_engine(model_dir, torch.bfloat16, dict(defer_drafts=defer), attention_backend="triton",
-                         cuda_graphs=True)
+    for on in (True, False):
+        e = _spec_engine(model_dir, torch.bfloat16, {key: on}, attention_backend="triton", cuda_graphs=True)
         if nan:
             with torch.no_grad():
                 e.spec_decoder.drafter.drafter.fc.weight[0, 0] = float("nan")
-        out[defer] = (e.generate(reqs), e.spec_decoder)
-    (r_on, d_on), (r_off, d_off) = out[True], out[False]
-    assert d_on.num_deferred > 0 and d_off.num_deferred == 0
-    assert d_on.drafter._chain_graphs.num_replays > 0
+        out[on] = (e.generate(reqs), e.spec_decoder)
+    (r_on, _), (r_off, _) = out[True], out[False]
     assert tokens(r_on) == tokens(r_off)
     assert [r.logprobs for r in r_on] == [r.logprobs for r in r_off]
     assert [r.processed_logprobs for r in r_on] == [r.processed_logprobs for r in r_off]
+    assert [r.spec_stats["fallbacks"] for r in r_on] == [r.spec_stats["fallbacks"] for r in r_off]
+    return out[True], out[False]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_drafter"])
+def test_deferred_drafts_equal_read_back_on_gpu(model_dir, temperature, nan):
+    """Verifying the drafts on the device (SpecDecoder._deferred, the default) gives bit
+    for bit the tokens, logprobs and processed logprobs of reading them back first
+    (defer_drafts=False); with a non-finite drafter every deferred row falls back to a
+    plain step exactly as on the read-back path."""
+    (r_on, d_on), (_, d_off) = _on_off_on_gpu(model_dir, "defer_drafts", temperature, nan, 32)
+    assert d_on.num_deferred > 0 and d_off.num_deferred == 0
+    assert d_on.drafter._chain_graphs.num_replays > 0
     fb = [r.spec_stats["fallbacks"] for r in r_on]
-    assert fb == [r.spec_stats["fallbacks"] for r in r_off]
     assert (min(fb) > 0) if nan else (max(fb) == 0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_drafter"])
+def test_draft_ahead_on_gpu(model_dir, temperature, nan):
+    """The draft-ahead (the next chain replayed from the verification's device outputs
+    before the host reads them; the results' copy to pinned memory queued ahead of it)
+    gives bit for bit the results of drafting after the read; draft-aheads are adopted
+    (none with a non-finite drafter)."""
+    (_, d_on), (_, d_off) = _on_off_on_gpu(model_dir, "draft_ahead", temperature, nan, 48)
+    assert d_on.num_ahead > 0 and d_off.num_ahead == 0
+    assert (d_on.num_adopted == 0) if nan else (d_on.num_adopted > 0), (d_on.num_adopted, d_on.num_ahead)
 
 
 def test_depth_schedule_on_gpu(model_dir):

@@ -3,6 +3,7 @@ GPU) drafts exactly what the eager batched path drafts: tokens, draft distributi
 fallbacks and noise-stream positions. On CPU it runs eagerly on the same static buffers
 and padded shapes (the GPU tests replay the graphs)."""
 
+import dataclasses
 import os
 import sys
 import types
@@ -138,9 +139,11 @@ def test_generate_with_static_chains_equals_eager_chains(spec_models, params):
             assert sum(r.num_preemptions for r in static) > 0
 
 
-def _deferred_runs(spec_models, drafter_seed, params, defer, *, nan=False, **engine_kw):
+def _deferred_runs(spec_models, drafter_seed, params, defer, *, nan=False, ahead=False, new=14,
+                   **engine_kw):
     """One generate call (4 prompts x 2 samples, depth-3 chains on the static path), with
-    or without verification on the device's drafts: (results, decoder)."""
+    or without verification on the device's drafts (and the draft-ahead): (results,
+    decoder)."""
     from megatron_tlt.spec.decode import SpecDecoder
 
     def make(e):
@@ -152,10 +155,60 @@ def _deferred_runs(spec_models, drafter_seed, params, defer, *, nan=False, **eng
         p.static_chains = True
         return p
 
-    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, prompt_seed=3, max_new_tokens=14, **params)
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, prompt_seed=3, max_new_tokens=new, **params)
     engine = make_engine(spec_models["qwen2"], **engine_kw)
-    engine.spec_decoder = SpecDecoder(make(engine), Strategy(depth=3), defer_drafts=defer)
+    engine.spec_decoder = SpecDecoder(make(engine), Strategy(depth=3), defer_drafts=defer,
+                                      draft_ahead=ahead)
     return engine.generate(reqs), engine.spec_decoder
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.0)])
+@pytest.mark.parametrize("engine_kw", [{}, {"num_blocks": 12}])
+def test_draft_ahead_equals_drafting_after_the_read(spec_models, params, engine_kw):
+    """The draft-ahead (the next step's chain drafted from the verification's outputs on
+    the device, before the host reads them) gives the tokens, logprobs and acceptance
+    counts of drafting after the bookkeeping, with and without forced preemption; most
+    steps adopt it, and the steps near max_new_tokens queue none."""
+    on, dec_on = _deferred_runs(spec_models, 2, params, True, ahead=True, new=24, **engine_kw)
+    off, dec_off = _deferred_runs(spec_models, 2, params, True, new=24, **engine_kw)
+    assert dec_off.num_ahead == 0 and dec_on.num_ahead > 0
+    assert dec_on.num_adopted > 0.5 * dec_on.num_ahead, (dec_on.num_adopted, dec_on.num_ahead)
+    assert dec_on.num_ahead < dec_on.num_deferred  # none in the last steps
+    assert tokens(on) == tokens(off)
+    assert [r.logprobs for r in on] == [r.logprobs for r in off]
+    assert [r.spec_stats["accepted"] for r in on] == [r.spec_stats["accepted"] for r in off]
+    if engine_kw:
+        assert sum(r.num_preemptions for r in on) > 0
+
+
+def test_draft_ahead_negative_control(spec_models, monkeypatch):
+    """The comparison above sees the draft-ahead's inputs: features taken from the wrong
+    rows of the verify forward's hidden states (the root's for every new pair) change the
+    drafts, hence the sampled tokens and the acceptance counts."""
+    from megatron_tlt.spec import eagle_graph
+    base, _ = _deferred_runs(spec_models, 2, dict(temperature=0.8), True, new=24)
+    real = eagle_graph.ChainGraphs.launch_ahead
+
+    def wrong_rows(self, launched, verify_out, gidx, hidden):
+        return real(self, launched, verify_out, gidx[:, :1].expand_as(gidx).contiguous(), hidden)
+
+    monkeypatch.setattr(eagle_graph.ChainGraphs, "launch_ahead", wrong_rows)
+    broken, dec = _deferred_runs(spec_models, 2, dict(temperature=0.8), True, ahead=True, new=24)
+    assert dec.num_adopted > 0
+    assert tokens(broken) != tokens(base)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_draft_ahead_nan_drafter(spec_models, temperature):
+    """Every row failing (non-finite drafter): draft-aheads are queued but none is adopted
+    (a failed row decodes plainly), and tokens, logprobs and fallbacks equal the run without."""
+    on, dec_on = _deferred_runs(spec_models, 2, dict(temperature=temperature), True, nan=True,
+                                ahead=True, new=24)
+    off, _ = _deferred_runs(spec_models, 2, dict(temperature=temperature), True, nan=True, new=24)
+    assert dec_on.num_ahead > 0 and dec_on.num_adopted == 0
+    assert tokens(on) == tokens(off)
+    assert [r.logprobs for r in on] == [r.logprobs for r in off]
+    assert [r.spec_stats["fallbacks"] for r in on] == [r.spec_stats["fallbacks"] for r in off]
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=0.0)])
@@ -253,3 +306,29 @@ def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
     monkeypatch.setenv("MEGATRON_TLT_SPEC_DEFER", "yes")
     with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_DEFER"):
         SpecDecoder(P(random_eagle(e)))
+
+
+def test_draft_ahead_under_continuous_batching(spec_models):
+    """At most 2 of 6 requests running, ragged lengths and 12 of the 300 ids as stop
+    tokens, so sequences finish at steps the draft-ahead could not foresee and newcomers
+    join: draft-aheads whose batch changed are dropped, and tokens and logprobs equal the
+    run without draft-aheads."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    def go(ahead):
+        engine = make_engine(spec_models["qwen2"], max_num_seqs=2, num_blocks=96,
+                             eos_token_ids=tuple(range(12)))
+        prop = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=128)
+        prop.static_chains = True
+        engine.spec_decoder = SpecDecoder(prop, Strategy(depth=3), draft_ahead=ahead)
+        reqs = requests(VOCAB["qwen2"], [21, 19, 23, 18, 25, 20], prompt_seed=5, temperature=0.8)
+        for r, m in zip(reqs, [30, 12, 25, 9, 40, 16]):  # ragged: finishes at different steps
+            r.sampling_params = dataclasses.replace(r.sampling_params, max_new_tokens=m)
+        return engine.generate(reqs), engine.spec_decoder
+
+    on, dec = go(True)
+    off, _ = go(False)
+    assert 0 < dec.num_adopted < dec.num_ahead, (dec.num_adopted, dec.num_ahead)  # some dropped
+    assert len({len(r.token_ids) for r in on}) > 3  # finished at different lengths
+    assert tokens(on) == tokens(off)
+    assert [r.logprobs for r in on] == [r.logprobs for r in off]
