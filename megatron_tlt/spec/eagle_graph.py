@@ -359,7 +359,10 @@ class ChainGraphs:
         tile = torch.arange(QUERY_TILE, device=dev)
         last = lo[:, None] + tile  # [bucket, tile]: pair index of each tile row
         pair = last.reshape(-1)
-        x, q, k, v = d.layer_qkv(ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1), feats, pair + 1)
+        # RoPE positions within the drafter's table: only padding rows (tile rows past a
+        # sequence's pairs, levels past its cap) reach beyond it, near max_position_embeddings
+        top = d.rope_cos.shape[0] - 1
+        x, q, k, v = d.layer_qkv(ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1), feats, (pair + 1).clamp(max=top))
         kv.write(slot[:, None].expand(bucket, QUERY_TILE).reshape(-1), pair, k, v)
         # Only each tile's root (its last real pair) goes on: the other pairs' K/V are all
         # the chain needs of them (as in the eager extend).
@@ -402,7 +405,7 @@ class ChainGraphs:
             if lvl == depth - 1:
                 break
             idx = base + lvl
-            x, q, k, v = d.layer_qkv(tok, f, idx + 1)
+            x, q, k, v = d.layer_qkv(tok, f, (idx + 1).clamp(max=top))
             ok = torch.isfinite(v).flatten(1).all(-1)
             kv.write(slot, idx, k, torch.nan_to_num(v))
             o = kv.attend_one(q, slot, idx, d.scale)

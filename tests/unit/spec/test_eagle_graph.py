@@ -332,3 +332,35 @@ def test_draft_ahead_under_continuous_batching(spec_models):
     assert len({len(r.token_ids) for r in on}) > 3  # finished at different lengths
     assert tokens(on) == tokens(off)
     assert [r.logprobs for r in on] == [r.logprobs for r in off]
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_static_chains_up_to_max_position(spec_models, temperature):
+    """Sequences that grow to the drafter's last RoPE position (prompt + new tokens =
+    max_position_embeddings = max_model_len): the static path's padding rows (tile rows
+    past a sequence's pairs, chain levels past its cap) stay inside the RoPE table, and
+    tokens and logprobs equal the eager path's (with the draft-ahead on: it stops before
+    the end). Before the positions were clamped this raised an IndexError on CPU (a
+    device-side assert on a GPU) a query tile before the end."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    def go(static):
+        engine = make_engine(spec_models["qwen2"], max_num_seqs=2, num_blocks=96)
+        top = engine.arch.max_position_embeddings
+        assert engine.max_model_len == top
+        prop = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=256)
+        prop.static_chains = static
+        engine.spec_decoder = SpecDecoder(prop, Strategy(depth=4), draft_ahead=static)
+        reqs = requests(VOCAB["qwen2"], [9, 14], prompt_seed=6, temperature=temperature)
+        for r in reqs:
+            r.sampling_params = dataclasses.replace(r.sampling_params,
+                                                    max_new_tokens=top - len(r.prompt_token_ids))
+        return engine.generate(reqs), prop
+
+    res_s, prop_s = go(True)
+    res_e, _ = go(False)
+    assert prop_s._chain_graphs.num_steps > 0 and prop_s.num_eager_steps == 0
+    assert all(r.error is None for r in res_s)
+    assert [len(r.token_ids) for r in res_s] == [128 - 9, 128 - 14]  # to the last position
+    assert tokens(res_s) == tokens(res_e)
+    assert [r.logprobs for r in res_s] == [r.logprobs for r in res_e]
