@@ -33,6 +33,22 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int64: cache positions seq b attends to (new ones last)
     block_tables: torch.Tensor  # [B, max_blocks] int64: block ids, padded with 0
     tree_mask: torch.Tensor | None = None  # [B, Q, Q] bool: new token i sees new token j; None: causal
+    host_query_start: list[int] | None = None
+    """query_start as a host list when the builder had it (RolloutEngine._metadata): a
+    backend that needs the lengths on the host reads them here instead of from the
+    device, which would wait for every queued kernel, once per layer."""
+    host_context_lens: list[int] | None = None
+    """context_lens as a host list, likewise."""
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """Tensors a backend derives from this metadata once per forward and reuses in every
+    layer (e.g. the prefill's row index per group of equal lengths)."""
+
+    def host_lengths(self) -> tuple[list[int], list[int]]:
+        """(query_start, context_lens) as host lists: the builder's when it gave them, else
+        read from the tensors (a device-to-host copy each)."""
+        qs = self.host_query_start if self.host_query_start is not None else self.query_start.tolist()
+        ctx = self.host_context_lens if self.host_context_lens is not None else self.context_lens.tolist()
+        return qs, ctx
 
     @property
     def num_seqs(self) -> int:
@@ -86,8 +102,7 @@ class TorchPagedAttention:
         flat_k = k_cache.view(-1, kvh, head_dim)
         flat_v = v_cache.view(-1, kvh, head_dim)
         out = torch.empty_like(q)
-        starts = meta.query_start.tolist()
-        lens = meta.context_lens.tolist()
+        starts, lens = meta.host_lengths()
         for b in range(meta.num_seqs):
             qs, qe, ctx = starts[b], starts[b + 1], lens[b]
             n_new = qe - qs

@@ -596,4 +596,5 @@ class RolloutEngine:
         h, n = len(head), len(slots)
         parts = buf[h:].split([n, b + 1, b, b * width])
         return AttentionMetadata(slot_mapping=parts[0], query_start=parts[1], context_lens=parts[2],
-                                 block_tables=parts[3].view(b, width), tree_mask=tree_mask), buf[:h]
+                                 block_tables=parts[3].view(b, width), tree_mask=tree_mask,
+                                 host_query_start=list(starts), host_context_lens=list(ctx)), buf[:h]

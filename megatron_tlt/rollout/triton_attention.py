@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from megatron_tlt.rollout.attention import AttentionMetadata
+from megatron_tlt.rollout.host import int64_tensor, to_device
 
 
 def _interpreter_compat() -> None:
@@ -365,8 +366,7 @@ class TritonPagedAttention:
             return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                    scale=scale, query_start=meta.query_start, max_query_len=qn,
                                    tree_mask=meta.tree_mask, num_splits=splits)
-        starts = meta.query_start.tolist()
-        ctx = meta.context_lens.tolist()
+        starts, ctx = meta.host_lengths()  # the builder's lists: no device read per layer
         n_new = [starts[b + 1] - starts[b] for b in range(bsz)]
         if all(n == c for n, c in zip(n_new, ctx)) and max(n_new) > 1:
             return self._prefill(q, k_cache, v_cache, meta, starts, n_new, scale)
@@ -384,13 +384,22 @@ class TritonPagedAttention:
         k_new = k_cache.view(-1, kvh, head_dim).index_select(0, meta.slot_mapping)  # [T, KVH, D]
         v_new = v_cache.view(-1, kvh, head_dim).index_select(0, meta.slot_mapping)
         out = torch.empty_like(q)
-        groups: dict[int, list[int]] = {}
-        for b, n in enumerate(n_new):
-            groups.setdefault(n, []).append(b)
-        for n, seqs in groups.items():
-            first = torch.tensor([starts[b] for b in seqs], dtype=torch.int64)
-            rows = (first[:, None] + torch.arange(n)[None, :]).reshape(-1).to(q.device)
-            g = len(seqs)
+        groups = meta.derived.get("prefill_groups")
+        if groups is None:
+            # Once per forward (every layer reuses it): each group of equal prompt lengths
+            # and its rows, all groups' rows in one non-blocking copy (a copy per group and
+            # layer from pageable memory made the host wait for the device each time).
+            by_len: dict[int, list[int]] = {}
+            for b, n in enumerate(n_new):
+                by_len.setdefault(n, []).append(b)
+            flat = [starts[b] + i for seqs in by_len.values() for b in seqs for i in range(n_new[b])]
+            dev_rows = to_device(int64_tensor(flat), q.device)
+            groups, at = [], 0
+            for n, seqs in by_len.items():
+                groups.append((n, len(seqs), dev_rows[at:at + n * len(seqs)]))
+                at += n * len(seqs)
+            meta.derived["prefill_groups"] = groups
+        for n, g, rows in groups:
             qg = q.index_select(0, rows).view(g, n, num_heads, head_dim).transpose(1, 2)
             kg = k_new.index_select(0, rows).view(g, n, kvh, head_dim).transpose(1, 2)
             vg = v_new.index_select(0, rows).view(g, n, kvh, head_dim).transpose(1, 2)

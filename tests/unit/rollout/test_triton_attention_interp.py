@@ -423,3 +423,44 @@ def test_spec_plain_steps_take_the_runner_with_hidden_states(monkeypatch):
     assert seen.keys() == old_seen.keys()
     for k in seen:
         torch.testing.assert_close(seen[k], old_seen[k], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_reads_nothing_back_per_layer(monkeypatch):
+    """A ragged prefill (lengths 5, 9, 5: two groups) on the triton backend takes the
+    lengths from the host lists RolloutEngine._metadata built and sends every group's row
+    index to the device once per forward (not once per group and layer, each from pageable
+    memory, and two device reads per layer, which made the host wait for the device every
+    layer on a GPU); the logits equal those of metadata without the host lists (the old
+    per-layer reads), bit for bit."""
+    from megatron_tlt.rollout import triton_attention as ta
+    arch = _arch("qwen2", True)
+    assert arch.num_layers >= 2
+    w = _weights(arch, seed=5)
+    calls = []
+    real = ta.to_device
+    monkeypatch.setattr(ta, "to_device", lambda t, d: calls.append(t.numel()) or real(t, d))
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    out = {}
+    for host in (True, False):
+        eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4, attention_backend="triton")
+        if not host:  # metadata as other builders make it: lengths read from the device
+            real_md = eng._metadata
+
+            def md(*a, real_md=real_md, **k):
+                meta, head = real_md(*a, **k)
+                meta.host_query_start = meta.host_context_lens = None
+                return meta, head
+            monkeypatch.setattr(eng, "_metadata", md)
+        seqs = [eng.add_sequence(r) for r in _requests(300, [(5, 4, 0), (9, 4, 0), (5, 4, 0)])]
+        calls.clear()
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real_tolist(t))
+        reads.clear()
+        out[host] = eng.forward_pending(seqs).logits.clone()
+        monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+        if host:
+            assert calls == [19]  # one copy: 5 + 5 rows of one group, 9 of the other
+            assert reads == []
+        else:
+            assert len(reads) == 2 * arch.num_layers  # the control: two reads per layer
+    assert torch.equal(out[True], out[False])
