@@ -234,7 +234,7 @@ class ChainGraphs:
 
     @torch.no_grad()
     def launch_ahead(self, launched: "ChainLaunch", verify_out, gidx: torch.Tensor,
-                     hidden: torch.Tensor) -> "ChainAhead":
+                     hidden: torch.Tensor) -> "ChainAhead | None":
         """The next chain step of `launched`'s sequences, queued before the host has read
         this step's verification (SpecDecoder's draft-ahead): the inputs `launch` would
         build after the bookkeeping, built on the device from the verification's outputs
@@ -245,12 +245,13 @@ class ChainGraphs:
         known on the host already. Same values in the same static buffers as `launch`
         (tokens and features beyond n zero, padding rows as there), so the same replay.
         The proposer's bookkeeping is left alone until `adopt`; a step that does not
-        adopt it launches anew, rewriting the same pair KV."""
+        adopt it launches anew, rewriting the same pair KV. None (nothing queued) for
+        chains deeper than a query tile less one."""
         p, seqs, depth, setting = self.p, launched.seqs, launched.depth, launched.setting
+        if depth + 1 > QUERY_TILE:
+            return None  # up to depth + 1 new pairs per sequence would not fit one tile
         n_seq = len(seqs)
         bucket = next(b for b in BUCKETS if b >= n_seq)
-        if depth + 1 > QUERY_TILE:
-            raise ValueError(f"draft-ahead: depth {depth} + 1 exceeds a query tile ({QUERY_TILE})")
         states = [p.states[s.seq_id] for s in seqs]
         lo = [len(s.token_ids) - 1 for s in seqs]  # the pairs `launched` committed
         pad = self._pad()

@@ -364,3 +364,24 @@ def test_static_chains_up_to_max_position(spec_models, temperature):
     assert [len(r.token_ids) for r in res_s] == [128 - 9, 128 - 14]  # to the last position
     assert tokens(res_s) == tokens(res_e)
     assert [r.logprobs for r in res_s] == [r.logprobs for r in res_e]
+
+
+def test_draft_ahead_deeper_than_a_tile_queues_nothing(spec_models):
+    """A chain of depth QUERY_TILE could bring QUERY_TILE + 1 new pairs to the next step,
+    more than the static extend takes: no draft-ahead is queued (none raised), and the
+    tokens equal the run without."""
+    from megatron_tlt.spec.decode import SpecDecoder
+    from megatron_tlt.spec.drafter_kv import QUERY_TILE
+
+    def go(ahead):
+        engine = make_engine(spec_models["qwen2"], max_num_seqs=2, num_blocks=96)
+        prop = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=256)
+        prop.static_chains = True
+        engine.spec_decoder = SpecDecoder(prop, Strategy(depth=QUERY_TILE), draft_ahead=ahead)
+        reqs = requests(VOCAB["qwen2"], [7, 12], prompt_seed=6, temperature=0.8, max_new_tokens=60)
+        return engine.generate(reqs), engine.spec_decoder
+
+    on, dec = go(True)
+    off, _ = go(False)
+    assert dec.num_deferred > 0 and dec.num_ahead == 0
+    assert tokens(on) == tokens(off)
