@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from megatron_tlt.errors import ConfigError
 from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
 from megatron_tlt.rollout.sampling import exponential_noise
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
@@ -632,15 +633,18 @@ class EagleProposer(Drafter):
         self.kv.ensure_capacity(max(pair_idx) + 1)
         feats = torch.cat(pieces)  # one op whatever the number of sequences
         if len(take) != feats.shape[0]:
-            feats = feats[torch.tensor(take, device=feats.device)]
-        idx = torch.tensor([pair_idx, slot_of], dtype=torch.int64).to(dev)
-        tokens = torch.tensor(toks, dtype=torch.int64).to(dev)
+            feats = feats[to_device(int64_tensor(take), feats.device)]
+        # The index tables in one non-blocking copy (from pageable memory each .to(dev)
+        # waited for every queued kernel: this runs at every admission under continuous
+        # batching, _catch_up)
+        flat = to_device(int64_tensor([pair_idx, slot_of, toks]), dev)
+        idx, tokens = flat[:2], flat[2]
         g = d.fuse_features(feats.to(dev, p0.dtype))
         x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
         self.kv.write(idx[1], idx[0], k, v)
         # Only each sequence's last pair goes on (its (f, logits) are all a proposal uses;
         # the other pairs' K/V are written above): one query per sequence.
-        rows = torch.tensor(list(last_row.values()), dtype=torch.int64, device=dev)
+        rows = to_device(int64_tensor(list(last_row.values())), dev)
         o = self.kv.attend_one(q.index_select(0, rows), idx[1][rows], idx[0][rows], d.scale)
         f = d.layer_out(x.index_select(0, rows), o)
         lg = d.logits(f)
