@@ -311,9 +311,8 @@ def main(args: argparse.Namespace) -> int:
                                              policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
-        # eagle-ahead: the next step's chain queued before the verification is read
-        # (SpecDecoder draft_ahead); plain eagle follows MEGATRON_TLT_SPEC_AHEAD
-        dec.draft_ahead = True if kind == "eagle-ahead" else dec.draft_ahead
+        if kind == "eagle-ahead":  # (plain eagle follows MEGATRON_TLT_SPEC_AHEAD)
+            dec.draft_ahead = True  # the next chain queued before the verification is read
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:

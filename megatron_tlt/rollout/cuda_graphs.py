@@ -321,8 +321,7 @@ class DecodeRunner:
         if bucket is None:
             return None
         tree_mask = tree_mask.to("cpu", torch.bool)
-        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
-            self.release()  # the KV pool moved (sleep/wake): every graph is stale
+        self._drop_if_kv_moved()
         st = self._verify_stage(bucket, q)
         v = st["views"]
         if (bucket, q) not in self._vgraphs:
@@ -487,6 +486,12 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
 
+    def _drop_if_kv_moved(self) -> None:
+        """Release every graph when the KV pool moved since they were captured (sleep/wake):
+        they read stale addresses."""
+        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
+            self.release()
+
     @property
     def num_verify_graphs(self) -> int:
         return len(self._vgraphs)
@@ -502,13 +507,12 @@ class DecodeRunner:
             return 0
         if self.cache.is_sleeping:
             raise RuntimeError("DecodeRunner.capture_verify_graphs() while the KV cache is asleep; wake() first")
-        if self._kv_ptr is not None and self._kv_ptr != self.cache.k[0].data_ptr():
-            self.release()  # the KV pool moved (sleep/wake): every graph is stale, as in verify_rows
+        self._drop_if_kv_moved()
         top = self.bucket_for(min(max_batch, self.max_batch))
         n = 0
-        for bucket in self.buckets:
+        for bucket in self.buckets[:self.buckets.index(top) + 1]:
             for q in range(2, max_q + 1):
-                if bucket > top or self.verify_graph_bucket(bucket, q) != bucket or (bucket, q) in self._vgraphs:
+                if self.verify_graph_bucket(bucket, q) != bucket or (bucket, q) in self._vgraphs:
                     continue
                 st = self._verify_stage(bucket, q)
                 self._capture_verify(bucket, q, st["views"])

@@ -55,7 +55,7 @@ does). A row whose drafter failed (non-finite) is verified as its root alone, no
 it is kept, its stream is set back to where the read-back path leaves it and it decodes
 plainly after the verification (a fallback, as before).
 
-Draft-ahead (`_ahead_fn`, off by default until timed on a GPU; MEGATRON_TLT_SPEC_AHEAD=1
+Draft-ahead (`_ahead_fits`, `_launch_ahead`; off by default until timed on a GPU; MEGATRON_TLT_SPEC_AHEAD=1
 or SpecDecoder(draft_ahead=True) turns it on): a deferred step whose sequences will all
 draft a full-depth chain again at the next step (room for depth + 1 more tokens twice,
 the same strategy at this batch size, no plain row) queues the next step's drafting
@@ -409,11 +409,12 @@ class SpecDecoder:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 self.drafter.bind(engine)
                 ahead, self._ahead, launched = self._ahead, None, None
-                if ahead is not None and len(cand) <= self.defer_max_batch:
-                    launched = self.drafter.adopt(ahead, cand, strategy, caps)
-                    self.num_adopted += launched is not None
-                if launched is None and len(cand) <= self.defer_max_batch:
-                    launched = self.drafter.launch(cand, strategy, caps, seqs)
+                if len(cand) <= self.defer_max_batch:
+                    if ahead is not None:
+                        launched = self.drafter.adopt(ahead, cand, strategy, caps)
+                        self.num_adopted += launched is not None
+                    if launched is None:
+                        launched = self.drafter.launch(cand, strategy, caps, seqs)
                 if launched is not None:
                     spec = self._deferred(engine, launched)
                     if spec is None:  # not this step: read the drafts back now
@@ -436,8 +437,8 @@ class SpecDecoder:
                 self._plain(engine, plain)
         verified = drafted = accepted = emitted = 0
         if spec:
-            ahead = (self._ahead_fn(engine, spec, launched)
-                     if self.draft_ahead and launched is not None and not plain else None)
+            ahead = (self.draft_ahead and launched is not None and not plain
+                     and self._ahead_fits(engine, spec, launched.depth))
             verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched, ahead)
             if failed:  # the drafter failed on the device (deferred step): decode them plainly
                 for s in failed:
@@ -510,25 +511,26 @@ class SpecDecoder:
             s.spec_stats["plain_steps"] += 1
         engine.sample_and_append(seqs, out.logits)
 
-    def _ahead_fn(self, engine, spec, launched):
-        """The callback VerifyMath.run calls to queue the next step's drafting before the
-        host reads this verification, when every sequence of this deferred step (all of
-        the step's sequences) will draft a full-depth chain again at the next step whatever
-        it accepts now: this step emits at most depth + 1 tokens, the next needs room for
-        depth + 1 more (the same batch size picks the same strategy); else None."""
-        depth = launched.depth
+    @staticmethod
+    def _ahead_fits(engine, spec, depth: int) -> bool:
+        """Whether every sequence of this deferred step (all of the step's sequences) will
+        draft a full-depth chain again at the next step whatever it accepts now: this step
+        emits at most depth + 1 tokens, the next needs room for depth + 1 more (the same
+        batch size picks the same strategy). Then the step queues a draft-ahead."""
         for s, _ in spec:
             left = s.request.sampling_params.max_new_tokens - s.num_output
             if min(left, engine.max_model_len - len(s.token_ids)) < 2 * depth + 2:
-                return None
+                return False
+        return True
 
-        def ahead(verify_out, gidx, hidden):
-            launched.keep_ints()  # settle may read this step's drafts after the next replay
-            self._ahead = self.drafter.launch_ahead(launched, verify_out, gidx, hidden)
-            self.num_ahead += self._ahead is not None
-        return ahead
+    def _launch_ahead(self, launched, verify_out, gidx, hidden) -> None:
+        """VerifyMath.run's callback: queue the next step's drafting (Drafter.launch_ahead)
+        before the host reads this verification."""
+        launched.keep_ints()  # settle may read this step's drafts after the next replay
+        self._ahead = self.drafter.launch_ahead(launched, verify_out, gidx, hidden)
+        self.num_ahead += self._ahead is not None
 
-    def _verify(self, engine, spec, launched=None, ahead=None) -> tuple[int, int, int, int, list]:
+    def _verify(self, engine, spec, launched=None, ahead: bool = False) -> tuple[int, int, int, int, list]:
         """Verify, commit and append: (sequences verified, drafted, accepted, emitted,
         sequences whose deferred drafts failed: not committed, for a plain step)."""
         seqs = [s for s, _ in spec]
@@ -560,8 +562,8 @@ class SpecDecoder:
             if plan is not None:
                 host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts,
                                            draft_probs=None if launched is None else launched.out.get("probs"),
-                                           ahead=None if ahead is None else
-                                           (lambda vo, g: ahead(vo, g, out.hidden_final)))
+                                           ahead=None if not ahead else
+                                           (lambda vo, g: self._launch_ahead(launched, vo, g, out.hidden_final)))
                 width = q
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))

@@ -185,41 +185,23 @@ class ChainGraphs:
         the noise streams are advanced by collect / advance_draws."""
         p = self.p
         n_seq = len(seqs)
-        bucket = next(b for b in BUCKETS if b >= n_seq)
         depth = min(strategy.depth, strategy.num_draft_nodes)
         states = [p.states[s.seq_id] for s in seqs]
-        pad = self._pad()
-        p.kv.ensure_capacity(max(st.num_pairs for st in states) + QUERY_TILE + depth)
-        buf = self._buffers(bucket)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the pinned host buffer may still be read
-        rows = [[0] * _NCOL for _ in range(bucket)]
-        for r in range(n_seq, bucket):
-            rows[r][_SLOT], rows[r][_N] = pad, 1
-        dest, pieces = [], []
         sampled = setting[0] == "sampled"
+        bucket, buf = self._load_rows(seqs, states, [st.num_pairs for st in states], depth, sampled,
+                                      tokens=True)
+        dest, pieces = [], []
         for r, (s, st) in enumerate(zip(seqs, states)):
-            lo, hi = st.num_pairs, len(s.token_ids) - 1
-            n = hi - lo
-            row = rows[r]
-            row[_TOK:_TOK + n] = s.token_ids[lo + 1:hi + 1]
-            row[_SLOT], row[_LO], row[_N] = st.slot, lo, n
-            if sampled:
-                row[_KEY], row[_DRAW] = s.rng.key, s.rng.draws
+            n = len(s.token_ids) - 1 - st.num_pairs
             dest.extend(range(r * QUERY_TILE, r * QUERY_TILE + n))
             pieces.extend(st.pending)
-        host = buf["host"]
-        host.numpy()[:] = rows  # converted straight into the pinned buffer
         m = len(dest)
         buf["dest_host"].numpy()[:m] = dest
         ints, feats = buf["ints"], buf["feats"]
-        ints.copy_(host, non_blocking=True)
+        ints.copy_(buf["host"], non_blocking=True)
         idx = buf["dest"][:m]
         idx.copy_(buf["dest_host"][:m], non_blocking=True)
-        if ints.is_cuda:  # one event, recorded again each step: the host buffers' last copy
-            if self._copy_done is None:
-                self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
+        self._copied(ints)
         feats.zero_()
         src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
         feats.index_copy_(0, idx, src.to(feats.device, feats.dtype))
@@ -251,31 +233,14 @@ class ChainGraphs:
         if depth + 1 > QUERY_TILE:
             return None  # up to depth + 1 new pairs per sequence would not fit one tile
         n_seq = len(seqs)
-        bucket = next(b for b in BUCKETS if b >= n_seq)
         states = [p.states[s.seq_id] for s in seqs]
         lo = [len(s.token_ids) - 1 for s in seqs]  # the pairs `launched` committed
-        pad = self._pad()
-        p.kv.ensure_capacity(max(lo) + QUERY_TILE + depth)
-        buf = self._buffers(bucket)
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
-        rows = [[0] * _NCOL for _ in range(bucket)]
-        for r in range(n_seq, bucket):
-            rows[r][_SLOT], rows[r][_N] = pad, 1
         sampled = setting[0] == "sampled"
         draws = [s.rng.draws for s in seqs] if sampled else None
-        for r, (s, st) in enumerate(zip(seqs, states)):
-            row = rows[r]
-            row[_SLOT], row[_LO] = st.slot, lo[r]
-            if sampled:
-                row[_KEY], row[_DRAW] = s.rng.key, draws[r]
-        buf["host"].numpy()[:] = rows
+        bucket, buf = self._load_rows(seqs, states, lo, depth, sampled, tokens=False)
         ints, feats = buf["ints"], buf["feats"]
         ints.copy_(buf["host"], non_blocking=True)
-        if ints.is_cuda:
-            if self._copy_done is None:
-                self._copy_done = torch.cuda.Event()
-            self._copy_done.record()
+        self._copied(ints)
         q1 = depth + 1
         n = verify_out.accept_length[:n_seq] + 1  # [B] new pairs per sequence
         keep = torch.arange(q1, device=ints.device)[None, :] < n[:, None]  # [B, Q]
@@ -290,6 +255,43 @@ class ChainGraphs:
         return ChainAhead(graphs=self, seq_ids=[s.seq_id for s in seqs], states=states, lo=lo,
                           depth=depth, setting=setting, draws=draws, out=out,
                           bad_host=buf["bad_host"][:n_seq])
+
+    def _load_rows(self, seqs, states, lo: list[int], depth: int, sampled: bool, *,
+                   tokens: bool) -> tuple[int, dict]:
+        """(bucket, buffers) with the step's per-row int table written into the pinned
+        host buffer (not yet copied): each sequence's slot, first new pair lo and, sampled,
+        noise key and draw count; with `tokens` also its new pairs' tokens and count
+        (the host knows them; the draft-ahead writes them on the device); padding rows
+        write one pair into the scratch slot. The drafter KV is sized for the step first."""
+        n_seq = len(seqs)
+        bucket = next(b for b in BUCKETS if b >= n_seq)
+        pad = self._pad()
+        self.p.kv.ensure_capacity(max(lo) + QUERY_TILE + depth)
+        buf = self._buffers(bucket)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the pinned host buffer may still be read
+        rows = [[0] * _NCOL for _ in range(bucket)]
+        for r in range(n_seq, bucket):
+            rows[r][_SLOT], rows[r][_N] = pad, 1
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            row = rows[r]
+            row[_SLOT], row[_LO] = st.slot, lo[r]
+            if tokens:
+                hi = len(s.token_ids) - 1
+                row[_TOK:_TOK + hi - lo[r]] = s.token_ids[lo[r] + 1:hi + 1]
+                row[_N] = hi - lo[r]
+            if sampled:
+                row[_KEY], row[_DRAW] = s.rng.key, s.rng.draws
+        buf["host"].numpy()[:] = rows  # converted straight into the pinned buffer
+        return bucket, buf
+
+    def _copied(self, ints: torch.Tensor) -> None:
+        """Record that the host buffers' copies are queued (one event, recorded again each
+        step: `_load_rows` waits for it before writing them again)."""
+        if ints.is_cuda:
+            if self._copy_done is None:
+                self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
 
     def adopt(self, ahead: "ChainAhead", seqs, caps) -> "ChainLaunch":
         """The ChainLaunch of a draft-ahead the proposer found valid for this step
