@@ -64,6 +64,7 @@ What a graph holds by address, and why it stays valid:
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
@@ -79,6 +80,8 @@ from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.sampling import exponential_noise, sample
 from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
 from megatron_tlt.rollout.triton_linear import LinearPlanner
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_VERIFY_GRAPH_ROWS = int(os.environ.get("MEGATRON_TLT_VERIFY_GRAPH_ROWS", "256"))
@@ -159,6 +162,7 @@ class DecodeRunner:
         self._vcopy_done = None
         self.num_verify_replays = 0
         """Verify forwards served from a graph."""
+        self._vrows_warned: set[tuple[int, int]] = set()  # (bucket, Q) over MAX_VERIFY_GRAPH_ROWS
         self.sample_graphs = os.environ.get("MEGATRON_TLT_SAMPLE_GRAPHS", "1") != "0"
         """Sampled decode steps take `sample_fast` (graphs with use_graphs, else eager);
         False: the engine's generic path. MEGATRON_TLT_SAMPLE_GRAPHS=0 sets it False."""
@@ -298,7 +302,18 @@ class DecodeRunner:
         if not self.use_graphs or bsz > self.max_batch:
             return None
         bucket = self.bucket_for(bsz)
-        return bucket if bucket * q <= MAX_VERIFY_GRAPH_ROWS else None
+        if bucket * q <= MAX_VERIFY_GRAPH_ROWS:
+            return bucket
+        if MAX_VERIFY_GRAPH_ROWS > 0 and (bucket, q) not in self._vrows_warned:
+            self._vrows_warned.add((bucket, q))
+            # Session 14 (H200, 1.5B): batch 32 at depth 8 (288 rows) verified eagerly in
+            # 9.45 ms per step against 2.48 ms at depth 4 from a graph.
+            logger.warning("verify of %d sequences x %d rows (bucket %d: %d rows) exceeds the verify "
+                           "graphs' %d rows and runs eagerly, several times slower: use a shallower "
+                           "chain at this batch size (--spec-depth BATCH:DEPTH,..., rollout.spec_depth) "
+                           "or raise MEGATRON_TLT_VERIFY_GRAPH_ROWS (a [rows, vocab] float32 buffer)",
+                           bsz, q, bucket, bucket * q, MAX_VERIFY_GRAPH_ROWS)
+        return None
 
     def verify_rows(self, seqs, q: int, tokens: list[int], positions: list[int],
                     tree_mask: torch.Tensor,  # [B, Q, Q] bool on the host

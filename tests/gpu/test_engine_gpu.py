@@ -568,6 +568,39 @@ def test_capture_verify_graphs_up_front():
     assert rel_err(gk, ek) < 1e-5
 
 
+def test_verify_over_graph_rows_runs_eagerly_and_warns_once(monkeypatch, caplog):
+    """A verify of more rows than the verify graphs hold (bucket x Q > MAX_VERIFY_GRAPH_ROWS,
+    here lowered to 8) runs eagerly, equal to the eager engine, and warns once per shape
+    naming the knobs; a shape within the rows (1 x 5) still replays a graph. Negative
+    control: the same verify with the usual 256 rows replays a graph and does not warn."""
+    import megatron_tlt.rollout.cuda_graphs as cg
+    shapes = ((3, 5), (3, 5), (1, 5))
+    runs = []
+    for rows in (8, 256):
+        monkeypatch.setattr(cg, "MAX_VERIFY_GRAPH_ROWS", rows)
+        eng, seqs, arch = next(_graph_then_eager_fp32())
+        r = eng.decode_runner
+        assert r.use_graphs
+        g = torch.Generator().manual_seed(2)
+        got = []
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=cg.__name__):
+            for batch, q in shapes:
+                mask = tree_masks(batch, q, g)
+                base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
+                tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
+                got.append(eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1,
+                                                     mask).logits.clone())
+        warned = [m for m in caplog.messages if "exceeds the verify graphs" in m]
+        runs.append((got, r.num_verify_replays, warned))
+    (small, small_replays, small_warned), (full, full_replays, full_warned) = runs
+    assert small_replays == 1 and len(small_warned) == 1, (small_replays, small_warned)
+    assert "MEGATRON_TLT_VERIFY_GRAPH_ROWS" in small_warned[0] and "bucket 4: 20 rows" in small_warned[0]
+    assert full_replays == 3 and full_warned == []
+    for x, y in zip(small, full):
+        assert x.shape == y.shape and rel_err(x, y) < 1e-5
+
+
 def test_decode_graph_hidden_states_match_eager():
     """forward_pending(return_hidden=True) on a graph engine is served by the decode graph
     (a speculative decoder's plain steps): hidden states and logits equal the same fused
