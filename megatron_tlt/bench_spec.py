@@ -37,6 +37,7 @@ import time
 import torch
 
 from megatron_tlt.bench import _Clock, _command, _git_revision, _int_list, _version
+from megatron_tlt.config import DEFAULT_SPEC_DEPTH
 from megatron_tlt.errors import TLTError
 
 
@@ -47,9 +48,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--drafters", default=None,
                    help="comma-separated: eagle, ngram, eagle-readback (EAGLE reading every "
                         "step's drafts back before verifying, MEGATRON_TLT_SPEC_DEFER=0's step, "
-                        "for a side-by-side comparison), eagle-ahead (EAGLE queuing each step's "
-                        "chain before the host reads the previous verification, "
-                        "MEGATRON_TLT_SPEC_AHEAD=1's step); NAME@D: chain depth D "
+                        "for a side-by-side comparison), eagle-ahead / eagle-noahead (EAGLE with / "
+                        "without the draft-ahead, which queues each step's chain before the host "
+                        "reads the previous verification; plain eagle follows "
+                        "MEGATRON_TLT_SPEC_AHEAD, default on); NAME@D: chain depth D "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -69,10 +71,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tasks", default="arith,sort", help="built-in synthetic tasks for the prompts")
     src.add_argument("--prompts", default=None, help="prompts JSONL (prompt or prompt_token_ids)")
-    p.add_argument("--spec-depth", default="4",
+    p.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft depth, or depths by running batch size BATCH:DEPTH,... (e.g. "
-                        "1:6,8:4,32:3: depth 6 up to 1 running sequence, 4 up to 8, else 3); "
-                        "a mode NAME@D in --drafters uses depth D instead")
+                        "1:6,8:4,32:3: depth 6 up to 1 running sequence, 4 up to 8, else 3; "
+                        f"default {DEFAULT_SPEC_DEPTH}); a mode NAME@D in --drafters uses depth D instead")
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
@@ -109,7 +111,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
-        raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback and/or eagle-ahead, "
+        raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead and/or "
+                       f"eagle-noahead, "
                        f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
@@ -122,7 +125,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
 def _mode(name: str) -> tuple[str, int | None] | None:
     """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
     kind, _, depth = name.partition("@")
-    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead"):
+    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead"):
         return None
     if not depth:
         return kind, None
@@ -311,8 +314,8 @@ def main(args: argparse.Namespace) -> int:
                                              policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
-        if kind == "eagle-ahead":  # (plain eagle follows MEGATRON_TLT_SPEC_AHEAD)
-            dec.draft_ahead = True  # the next chain queued before the verification is read
+        if kind in ("eagle-ahead", "eagle-noahead"):  # (plain eagle follows MEGATRON_TLT_SPEC_AHEAD)
+            dec.draft_ahead = kind == "eagle-ahead"  # the next chain queued before the verification is read
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:

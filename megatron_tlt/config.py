@@ -36,6 +36,14 @@ import yaml
 
 from megatron_tlt.errors import ConfigError
 
+DEFAULT_SPEC_DEPTH = "1:7,32:4"
+"""Default chain depth by running batch size (rollout.spec_depth, generate/bench spec
+--spec-depth): 7 while one sequence runs (the long tail), else 4. Measured on one H200
+(benchmarks/results/gpu_2026-12-04_session14, 1.5B target trained 120 steps, T=0.9): at
+batch 1 the draft-ahead at depth 6-8 gave 1189.8-1243.2 tokens/s against 979.4-1132.0 at
+depth 4; at batch 4, 16 and 32 depth 4 beat 5 and 6. Depth 4 keeps batch 32 within the
+verify graphs' 256 rows (32 x 5); a depth-8 chain there (288 rows) verified eagerly, 0.61x."""
+
 # --------------------------------------------------------------------------- YAML
 
 
@@ -376,10 +384,11 @@ class RolloutConfig(ConfigSection):
     """Speculative decoding: off, always EAGLE drafter, always n-gram, or adaptive."""
     drafter: str | None = None
     """EAGLE drafter directory (spec=eagle): written by `python -m megatron_tlt.spec.train_drafter`."""
-    spec_depth: int | str = 4
+    spec_depth: int | str = DEFAULT_SPEC_DEPTH
     """Draft tokens per speculative step (tree depth); or by running batch size,
     "BATCH:DEPTH,..." (e.g. "1:6,8:4,32:3": 6 while one sequence runs, 4 up to 8, else 3:
-    deep chains for the long tail, shallow ones for the full batch)."""
+    deep chains for the long tail, shallow ones for the full batch). Default
+    DEFAULT_SPEC_DEPTH: 7 at batch 1, else 4."""
     spec_topk: int = 1
     """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
     spec_num_verify: int | None = None

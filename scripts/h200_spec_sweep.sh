@@ -22,7 +22,8 @@
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
 # the step that reads the drafts back before verifying beside the default one,
-# "eagle,eagle-ahead" to time the draft-ahead (MEGATRON_TLT_SPEC_AHEAD) beside it, or
+# "eagle-noahead,eagle-ahead" to time the draft-ahead (MEGATRON_TLT_SPEC_AHEAD, on by
+# default since session 14, so plain "eagle" has it) against the step without it, or
 # "eagle,eagle@3,eagle@5" to time other depths in the same run (one model load, one plain
 # baseline); SWEEP_DEPTHS entries may be schedules by running batch size ("1:5,16:4,32:3").
 # SWEEP_AB (optional "DRAFTER:DEPTH"): the one configuration that runs with SWEEP_AB_MODES

@@ -35,6 +35,7 @@ import sys
 
 import torch
 
+from megatron_tlt.config import DEFAULT_SPEC_DEPTH
 from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.weights import ENGINE_DTYPES
@@ -59,10 +60,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--spec", choices=SPEC_CHOICES, default="off",
                    help="speculative decoding: off, eagle (needs --drafter) or ngram (adaptive: not yet)")
     g.add_argument("--drafter", default=None, help="drafter directory (for --spec eagle/adaptive)")
-    g.add_argument("--spec-depth", default="4",
+    g.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft tokens along the longest path; or by running batch size, "
                         "BATCH:DEPTH,... (e.g. 1:6,8:4,32:3: 6 while one sequence runs, 4 up to "
-                        "8, else 3)")
+                        f"8, else 3; default {DEFAULT_SPEC_DEPTH}: 7 at batch 1, else 4)")
     g.add_argument("--spec-topk", type=int, default=1, help="children per tree node (1 = chain)")
     g.add_argument("--spec-num-verify", type=int, default=None,
                    help="tree nodes verified per step, root included (default: depth + 1 for a "
@@ -288,7 +289,7 @@ def _spec_checked(args, spec: str):
         raise TLTError(f"--spec-ngram must be >= 1, got {ngram}")
     from megatron_tlt.spec.decode import depth_policy
     try:
-        return depth_policy(_arg(args, "spec_depth", 4), topk=_arg(args, "spec_topk", 1),
+        return depth_policy(_arg(args, "spec_depth", DEFAULT_SPEC_DEPTH), topk=_arg(args, "spec_topk", 1),
                             num_verify_tokens=_arg(args, "spec_num_verify", None), threshold=threshold)
     except TLTError as e:
         raise TLTError(f"--spec flags: {e}") from None

@@ -55,8 +55,9 @@ does). A row whose drafter failed (non-finite) is verified as its root alone, no
 it is kept, its stream is set back to where the read-back path leaves it and it decodes
 plainly after the verification (a fallback, as before).
 
-Draft-ahead (`_ahead_fits`, `_launch_ahead`; off by default until timed on a GPU; MEGATRON_TLT_SPEC_AHEAD=1
-or SpecDecoder(draft_ahead=True) turns it on): a deferred step whose sequences will all
+Draft-ahead (`_ahead_fits`, `_launch_ahead`; on by default since it was timed on the
+H200 in session 14, MEGATRON_TLT_SPEC_AHEAD=0 or SpecDecoder(draft_ahead=False) turns it
+off): a deferred step whose sequences will all
 draft a full-depth chain again at the next step (room for depth + 1 more tokens twice,
 the same strategy at this batch size, no plain row) queues the next step's drafting
 (`Drafter.launch_ahead`) between its verification math and the host's read of it,
@@ -272,7 +273,7 @@ class SpecDecoder:
         `_deferred`): True at any batch size, an int N up to N sequences, False never;
         None: MEGATRON_TLT_SPEC_DEFER (0 never, N up to N), default up to
         DEFER_MAX_BATCH. draft_ahead: queue the next step's drafting before reading the
-        verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (1 on, default 0)."""
+        verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (0 off, default 1)."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -292,7 +293,7 @@ class SpecDecoder:
         self.defer_max_batch = int(defer_drafts)
         """Largest batch whose steps verify drafts left on the device (0: never)."""
         if draft_ahead is None:
-            raw = os.environ.get(AHEAD_ENV, "0")
+            raw = os.environ.get(AHEAD_ENV, "1")
             if raw not in ("0", "1"):
                 raise ConfigError(f"{AHEAD_ENV} must be 0 or 1, got {raw!r}")
             draft_ahead = raw == "1"

@@ -28,7 +28,7 @@ def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MEGATRON_TLT_LINEAR_PLANS", raising=False)
     path = tmp_path / "spec.json"
     rc = main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
-               "--drafters", "eagle,ngram,eagle-readback,eagle-ahead", "--batch-sizes", "1,3", "--max-new-tokens", "12",
+               "--drafters", "eagle,ngram,eagle-readback,eagle-ahead,eagle-noahead", "--batch-sizes", "1,3", "--max-new-tokens", "12",
                "--tasks", "sort", "--device", "cpu", "--spec-depth", "3",
                "--profile-batch-sizes", "3"])
     assert rc == 0
@@ -41,7 +41,8 @@ def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
     assert report["engine"]["linear_plans"] is None
     assert report["complete"] is True
     rows = {(r["batch"], r["mode"]): r for r in report["results"]}
-    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle-ahead", "eagle-readback", "ngram", "off")]
+    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle-ahead", "eagle-noahead", "eagle-readback",
+                                                           "ngram", "off")]
     for (b, mode), r in rows.items():
         assert r["tokens_per_s"] > 0 and 0 < r["mean_len"] <= 12
         run = r["repeats"][0]
@@ -132,7 +133,7 @@ def test_bench_spec_bad_input(capsys):
                  "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
-    assert "--drafters takes eagle, ngram, eagle-readback and/or eagle-ahead" in capsys.readouterr().err
+    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead and/or eagle-noahead" in capsys.readouterr().err
 
 
 def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):

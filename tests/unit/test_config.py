@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -327,7 +328,20 @@ def test_spec_depth_schedule(tmp_path):
     cfg = load_config(None, ["rollout.spec_depth=1:6,8:4,32:3", "rollout.spec=ngram", "rollout.spec_threshold=64"])
     dec = RLRun._spec_decoder(types.SimpleNamespace(cfg=cfg), None)
     assert [dec.choose(b).depth for b in (1, 5, 8, 20, 64)] == [6, 4, 4, 3, 3] and dec.choose(65) is None
-    one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram"])), None)
+    one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram",
+                                                                            "rollout.spec_depth=4"])), None)
     assert {one.choose(b).depth for b in (1, 8, 64)} == {4}
+    # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 7 while one
+    # sequence runs, else 4 (above the last bound too).
+    dflt = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram"])), None)
+    assert [dflt.choose(b).depth for b in (1, 2, 32, 33, 256)] == [7, 4, 4, 4, 4]
+    from megatron_tlt.bench_spec import parse_args as bench_spec_args
+    from megatron_tlt.config import DEFAULT_SPEC_DEPTH
+    from megatron_tlt.rollout.cli import add_generate_args
+    assert load_config(None, []).rollout.spec_depth == DEFAULT_SPEC_DEPTH == "1:7,32:4"
+    assert bench_spec_args(["--model", "m"]).spec_depth == DEFAULT_SPEC_DEPTH
+    gen = argparse.ArgumentParser()
+    add_generate_args(gen)
+    assert gen.parse_args(["--model", "m", "--prompts", "p", "--out", "o"]).spec_depth == DEFAULT_SPEC_DEPTH
     msg = error_of(None, ["rollout.spec_depth=8:0"])
     assert msg.startswith("rollout.spec_depth: spec depth schedule '8:0'"), msg

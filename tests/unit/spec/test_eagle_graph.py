@@ -289,7 +289,8 @@ def test_admissions_under_continuous_batching_stay_on_the_static_path(spec_model
 def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
     """defer_drafts=N defers steps of at most N drafting sequences (8 requests running
     together: fewer deferred steps at N=4 than at N=8, same tokens); the environment's
-    setting is read when defer_drafts is None, and a bad value is an error."""
+    setting is read when defer_drafts is None, and a bad value is an error; the same for
+    the draft-ahead's MEGATRON_TLT_SPEC_AHEAD."""
     from megatron_tlt.errors import ConfigError
     from megatron_tlt.spec.decode import DEFER_MAX_BATCH, SpecDecoder
     from megatron_tlt.spec.eagle import EagleProposer as P
@@ -305,6 +306,18 @@ def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
     assert SpecDecoder(P(random_eagle(e)), defer_drafts=True).defer_max_batch >= 1 << 20
     monkeypatch.setenv("MEGATRON_TLT_SPEC_DEFER", "yes")
     with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_DEFER"):
+        SpecDecoder(P(random_eagle(e)))
+    # The draft-ahead: on unless MEGATRON_TLT_SPEC_AHEAD=0 (default on since session 14's
+    # H200 bench); an explicit argument wins; a bad value is an error.
+    monkeypatch.delenv("MEGATRON_TLT_SPEC_DEFER", raising=False)
+    monkeypatch.delenv("MEGATRON_TLT_SPEC_AHEAD", raising=False)
+    assert SpecDecoder(P(random_eagle(e))).draft_ahead is True
+    assert SpecDecoder(P(random_eagle(e)), draft_ahead=False).draft_ahead is False
+    monkeypatch.setenv("MEGATRON_TLT_SPEC_AHEAD", "0")
+    assert SpecDecoder(P(random_eagle(e))).draft_ahead is False
+    assert SpecDecoder(P(random_eagle(e)), draft_ahead=True).draft_ahead is True
+    monkeypatch.setenv("MEGATRON_TLT_SPEC_AHEAD", "yes")
+    with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_AHEAD"):
         SpecDecoder(P(random_eagle(e)))
 
 
