@@ -294,6 +294,29 @@ class DecodeRunner:
         return ForwardOutput(logits=logits, hidden_final=hidden["final"],
                              hidden_pre_norm=hidden["pre_norm"])
 
+    def extend(self, input_ids: torch.Tensor,  # [T] int64, every sequence's new tokens
+               positions: torch.Tensor,  # [T] int64
+               meta, max_query_len: int, logits_rows: torch.Tensor,  # [B]: each sequence's last row
+               *, return_hidden: bool = False) -> ForwardOutput:
+        """A prefill (or re-prefill after a partial prefix) through the fused decode model,
+        eagerly: each sequence's new tokens attend causally to its prefix and themselves in
+        one paged-attention launch per layer, against the generic forward's per-op kernels
+        (RMSNorm and RoPE in several ops each, an SDPA per group of equal prompt lengths).
+        Logits of `logits_rows` only; hidden states of every row with return_hidden."""
+        bsz = meta.block_tables.shape[0]
+        arch = self.model.arch
+        splits = splits_for(self.cache.k[0], bsz, max(meta.host_lengths()[1]),
+                            max_query_len * (arch.num_heads // arch.num_kv_heads))
+        hidden: dict | None = {} if return_hidden else None
+        logits = self.model.forward(input_ids, positions, meta.slot_mapping, meta.block_tables,
+                                    meta.context_lens, self.cache, num_splits=splits,
+                                    query_start=meta.query_start, max_query_len=max_query_len,
+                                    logits_rows=logits_rows, hidden_out=hidden)
+        if not return_hidden:
+            return ForwardOutput(logits=logits)
+        return ForwardOutput(logits=logits, hidden_final=hidden["final"],
+                             hidden_pre_norm=hidden["pre_norm"])
+
     # ---- verify graphs ----------------------------------------------------------------
 
     def verify_graph_bucket(self, bsz: int, q: int) -> int | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable, Mapping, Sequence as Seq
 
@@ -44,6 +45,8 @@ from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, exponent
                                            has_triton, make_noise_stream, sample)
 from megatron_tlt.rollout.scheduler import Scheduler, Sequence
 from megatron_tlt.rollout.weights import EngineWeights
+
+FUSED_PREFILL_ENV = "MEGATRON_TLT_FUSED_PREFILL"
 
 
 def fast_path_options(device: torch.device | str) -> dict:
@@ -137,6 +140,10 @@ class RolloutEngine:
         elif cuda_graphs:
             raise ConfigError(f"cuda_graphs=True needs attention_backend='triton', "
                               f"got {attention_backend!r}")
+        self.fused_prefill = os.environ.get(FUSED_PREFILL_ENV, "0") == "1"
+        """Prefill through the decode runner's fused kernels (`DecodeRunner.extend`) where
+        verifies take them (`_fused_verify`); off unless MEGATRON_TLT_FUSED_PREFILL=1 until
+        timed on a GPU."""
         self.scheduler = Scheduler(self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self._seq_ids = itertools.count()
@@ -349,9 +356,14 @@ class RolloutEngine:
             ctx.append(hi)
         meta, head = self._metadata(seqs, slots, starts, ctx, tree_mask=None, head=ids + positions)
         want_hidden = return_hidden or any(s.request.return_hidden_states for s in seqs)
-        out = self.model.forward(head[:len(ids)], head[len(ids):], self.cache, meta,
-                                 logits_indices=meta.query_start[1:] - 1,
-                                 return_hidden=want_hidden)
+        if self.fused_prefill and self._fused_verify():
+            max_q = max(starts[b + 1] - starts[b] for b in range(len(seqs)))
+            out = self.decode_runner.extend(head[:len(ids)], head[len(ids):], meta, max_q,
+                                            meta.query_start[1:] - 1, return_hidden=want_hidden)
+        else:
+            out = self.model.forward(head[:len(ids)], head[len(ids):], self.cache, meta,
+                                     logits_indices=meta.query_start[1:] - 1,
+                                     return_hidden=want_hidden)
         for b, seq in enumerate(seqs):
             seq.num_computed = len(seq.token_ids)
             seq.pending_verify = 0

@@ -281,21 +281,31 @@ class DecodeModel:
                 kv_cache: PagedKVCache,
                 *, num_splits: int = 1,
                 logits_out: torch.Tensor | None = None,  # [T, vocab] float32, written in place
-                query_start: torch.Tensor | None = None,  # [B + 1]: tree verify (else decode)
+                query_start: torch.Tensor | None = None,  # [B + 1]: tree verify / extend (else decode)
                 tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool: query i sees query j
                 hidden_out: dict | None = None,  # filled with "final" / "pre_norm" [T, hidden]
-                ) -> torch.Tensor:  # [T, vocab] float32
-        """Decode (one token per sequence) or, with `query_start` and `tree_mask`, the
+                max_query_len: int | None = None,  # extend: query_start without a tree mask
+                logits_rows: torch.Tensor | None = None,  # [N] rows whose logits to compute
+                ) -> torch.Tensor:  # [T or N, vocab] float32
+        """Decode (one token per sequence); with `query_start` and `tree_mask`, the
         speculative verify forward: Q tokens per sequence that see the committed prefix and
-        the query tokens the mask allows (everything but attention is per token, so the
-        same fused kernels serve both)."""
+        the query tokens the mask allows; with `query_start` and `max_query_len` (no mask),
+        an extend (prefill): each sequence's new tokens see its prefix and themselves
+        causally. Everything but attention is per token, so the same fused kernels serve
+        all three. `logits_rows`: the LM head over those rows only (a prefill needs each
+        sequence's last); hidden_out still gets every row."""
         a, w = self.arch, self.weights
-        if (query_start is None) != (tree_mask is None):
-            raise ValueError("DecodeModel.forward: query_start and tree_mask go together")
+        if tree_mask is not None and query_start is None:
+            raise ValueError("DecodeModel.forward: a tree_mask needs query_start")
+        if query_start is not None and (tree_mask is None) == (max_query_len is None):
+            raise ValueError("DecodeModel.forward: query_start takes a tree_mask (verify) or "
+                             "max_query_len (extend), one of them")
         attn_kw = {}
         if tree_mask is not None:
             attn_kw = dict(query_start=query_start, max_query_len=tree_mask.shape[1],
                            tree_mask=tree_mask)
+        elif query_start is not None:
+            attn_kw = dict(query_start=query_start, max_query_len=int(max_query_len))
         eps = a.rms_norm_eps
         plan = self.planner
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
@@ -324,6 +334,8 @@ class DecodeModel:
         y = rms_norm(h, w.final_norm, eps, residual=residual)
         if hidden_out is not None:
             hidden_out["final"], hidden_out["pre_norm"] = y, residual
+        if logits_rows is not None:
+            y = y.index_select(0, logits_rows)
         if logits_out is None:
             logits_out = torch.empty(y.shape[0], a.vocab_size, dtype=torch.float32, device=y.device)
         # The LM head's output rounded to the model dtype, as the reference's, then float32.

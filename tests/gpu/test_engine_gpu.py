@@ -570,9 +570,9 @@ def test_capture_verify_graphs_up_front():
 
 def test_verify_over_graph_rows_runs_eagerly_and_warns_once(monkeypatch, caplog):
     """A verify of more rows than the verify graphs hold (bucket x Q > MAX_VERIFY_GRAPH_ROWS,
-    here lowered to 8) runs eagerly, equal to the eager engine, and warns once per shape
-    naming the knobs; a shape within the rows (1 x 5) still replays a graph. Negative
-    control: the same verify with the usual 256 rows replays a graph and does not warn."""
+    here lowered to 8) runs eagerly, with the logits of the same verifies served from graphs,
+    and warns once per shape naming the knobs; a shape within the rows (1 x 5) still
+    replays a graph. Negative control: the usual 256 rows replay all three, no warning."""
     import megatron_tlt.rollout.cuda_graphs as cg
     shapes = ((3, 5), (3, 5), (1, 5))
     runs = []
@@ -599,6 +599,43 @@ def test_verify_over_graph_rows_runs_eagerly_and_warns_once(monkeypatch, caplog)
     assert full_replays == 3 and full_warned == []
     for x, y in zip(small, full):
         assert x.shape == y.shape and rel_err(x, y) < 1e-5
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_fused_prefill_matches_generic_prefill(dt, monkeypatch):
+    """MEGATRON_TLT_FUSED_PREFILL=1 (DecodeRunner.extend: the fused decode model, one causal
+    paged-attention launch per layer) against the generic prefill on the same weights:
+    last-token logits of ragged prompts (1 to 700 tokens) within rounding (float32 1e-5;
+    bfloat16 3e-2 of the largest logit, the generic path rounds per op), then float32 greedy
+    generation token for token (or diverging only at a near-tie). Negative controls: unset,
+    DecodeRunner.extend is never called; another row's logits fail the comparison."""
+    from megatron_tlt.rollout.cuda_graphs import DecodeRunner
+    arch, w = small_model(dt)
+    calls = []
+    real = DecodeRunner.extend
+
+    def counted(self, *a, **k):
+        calls.append(a[3])
+        return real(self, *a, **k)
+    monkeypatch.setattr(DecodeRunner, "extend", counted)
+    specs = [(1, 12, 0), (37, 12, 0), (700, 12, 0), (129, 12, 0)]
+    runs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_TLT_FUSED_PREFILL", fused)
+        calls.clear()
+        eng = engine(arch, w, dt, attention_backend="triton", cuda_graphs=True)
+        seqs = [eng.add_sequence(r) for r in requests(arch.vocab_size, specs, seed=11, tag="p")]
+        logits = eng.forward_pending(seqs).logits.clone()
+        gen = engine(arch, w, dt, attention_backend="triton", cuda_graphs=True)
+        out = gen.generate(requests(arch.vocab_size, specs, seed=12))
+        runs.append((logits, out, list(calls)))
+    (gl, gout, gcalls), (fl, fout, fcalls) = runs
+    assert gcalls == [] and fcalls[0] == 700
+    assert rel_err(fl, gl) < (1e-5 if dt == torch.float32 else 3e-2)
+    if dt == torch.float32:  # bfloat16 runs diverge at the first near-tie: logits only
+        _assert_same_or_near_tie(gout, fout)
+    # Control: the comparison sees a wrong row (another prompt's logits).
+    assert rel_err(fl.roll(1, 0), gl) > 1e-1
 
 
 def test_decode_graph_hidden_states_match_eager():

@@ -277,6 +277,52 @@ def test_engine_verify_forward_tree_matches_torch_backend(fused, monkeypatch):
     torch.testing.assert_close(hidden[1], hidden[0], atol=5e-5, rtol=5e-5)
 
 
+@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False)])
+def test_fused_prefill_matches_generic_prefill(family, tie, monkeypatch):
+    """MEGATRON_TLT_FUSED_PREFILL=1: the prefill through DecodeRunner.extend (the fused
+    decode model, one causal paged-attention launch per layer; `_fused_verify` forced as on
+    a CUDA engine) == the generic forward: each sequence's last-token logits, every row's
+    hidden states and the KV pool, for ragged prompts (1, 5 and 17 tokens over blocks of
+    4), then an extend of mixed lengths over a committed prefix (1, 3, 1 new tokens); greedy
+    generate gives the same tokens. Negative control: unset, extend is never called."""
+    from megatron_tlt.rollout.cuda_graphs import DecodeRunner
+    arch = _arch(family, tie)
+    w = _weights(arch, seed=7)
+    monkeypatch.setattr(RolloutEngine, "_fused_verify", lambda self: self.decode_runner is not None)
+    calls = []
+    real = DecodeRunner.extend
+
+    def counted(self, *a, **k):
+        calls.append(a[3])  # max_query_len
+        return real(self, *a, **k)
+    monkeypatch.setattr(DecodeRunner, "extend", counted)
+    runs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_TLT_FUSED_PREFILL", fused)
+        calls.clear()
+        eng = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4, attention_backend="triton")
+        seqs = [eng.add_sequence(r) for r in _requests(300, [(1, 6, 0), (5, 6, 0), (17, 6, 0)], seed=3)]
+        first = eng.forward_pending(seqs, return_hidden=True)
+        eng.sample_and_append(seqs, first.logits)
+        seqs[1].token_ids.extend([7, 11])  # three pending tokens over its committed prefix
+        second = eng.forward_pending(seqs, return_hidden=True)
+        kv = (eng.cache.k[1].clone(), eng.cache.v[0].clone())
+        gen = RolloutEngine(arch, w, max_num_seqs=4, num_blocks=48, block_size=4, attention_backend="triton")
+        tokens = [r.token_ids for r in gen.generate(_requests(300, [(1, 6, 0), (5, 6, 0), (17, 6, 0)], seed=4))]
+        runs.append((first, second, kv, tokens, list(calls)))
+    (g1, g2, gkv, gtok, gcalls), (f1, f2, fkv, ftok, fcalls) = runs
+    assert gcalls == [] and fcalls[:2] == [17, 3], (gcalls, fcalls)
+    for a, b in ((g1, f1), (g2, f2)):
+        assert b.logits.shape == a.logits.shape == (3, arch.vocab_size)
+        torch.testing.assert_close(b.logits, a.logits, atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(b.hidden_final, a.hidden_final, atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(b.hidden_pre_norm, a.hidden_pre_norm, atol=5e-5, rtol=5e-5)
+    assert g1.hidden_final.shape[0] == 23 and g2.hidden_final.shape[0] == 5
+    for a, b in zip(gkv, fkv):
+        torch.testing.assert_close(b, a, atol=5e-5, rtol=5e-5)
+    assert ftok == gtok
+
+
 class _Replay:
     """Stands in for a captured graph: replay() runs the same forward on the same static
     views (the interpreter cannot capture)."""
