@@ -89,6 +89,11 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "prompts one after the other and reports their totals (N x max batch "
                         "prompts are drawn): at batch 1 one prompt's text would otherwise "
                         "decide the acceptance and the speedup")
+    p.add_argument("--min-sequences", type=int, default=32,
+                   help="at least this many sequences per timed run: a batch size B runs "
+                        "max(--prompt-sets, ceil(N / B)) sets (0: --prompt-sets everywhere). "
+                        "Session 14: at batch 1 with 4 sets, one configuration's acceptance "
+                        "length was 3.66 or 4.51 depending on which 4 responses were sampled")
     p.add_argument("--breakdown-tokens", type=int, default=64,
                    help="after the timed runs, one more run per (B, drafter) of this many new "
                         "tokens with the device synchronised around each phase of the SD step, "
@@ -102,6 +107,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto",) + ENGINE_DTYPES,
                    help="engine dtype (auto: the checkpoint's on a GPU, float32 on the CPU)")
     args = p.parse_args(extra)
+    if args.min_sequences < 0:
+        raise TLTError(f"bench spec: --min-sequences must be >= 0, got {args.min_sequences}")
     if args.max_new_tokens < 1 or args.repeats < 1 or args.prompt_sets < 1 or args.temperature < 0:
         raise TLTError("bench spec: --max-new-tokens, --repeats and --prompt-sets must be >= 1, "
                        "--temperature >= 0")
@@ -137,7 +144,8 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
     out = prompt_token_ids(path=args.prompts, tasks=args.tasks, n=n, seed=args.seed,
                            tokenizer=tokenizer, model_dir=args.model, flag="--prompts")
     if len(out) < n:
-        raise TLTError(f"bench spec: {n} prompts needed (max batch x --prompt-sets), the source has {len(out)}")
+        raise TLTError(f"bench spec: {n} prompts needed (batch x sets: --prompt-sets, --min-sequences), "
+                       f"the source has {len(out)}")
     return [(str(pid), ids) for pid, ids in out[:n]]
 
 
@@ -285,11 +293,14 @@ def main(args: argparse.Namespace) -> int:
     except TLTError:
         tokenizer = None
     max_b = max(opts.batch_sizes)
-    prompts = _prompts(opts, tokenizer, max_b * opts.prompt_sets)
+
+    def num_sets(b: int) -> int:
+        return max(opts.prompt_sets, -(-opts.min_sequences // b))
+    prompts = _prompts(opts, tokenizer, max(b * num_sets(b) for b in opts.batch_sizes))
 
     def sets(b: int) -> list[list]:
-        """The --prompt-sets disjoint batches of b prompts a timed run generates."""
-        return [prompts[j * b:(j + 1) * b] for j in range(opts.prompt_sets)]
+        """The disjoint batches of b prompts a timed run generates (num_sets(b) of them)."""
+        return [prompts[j * b:(j + 1) * b] for j in range(num_sets(b))]
     def policy(name: str):
         depth = _mode(name)[1]
         return depth_policy(opts.spec_depth if depth is None else depth, topk=opts.spec_topk,

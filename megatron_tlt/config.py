@@ -40,9 +40,10 @@ DEFAULT_SPEC_DEPTH = "1:7,32:4"
 """Default chain depth by running batch size (rollout.spec_depth, generate/bench spec
 --spec-depth): 7 while one sequence runs (the long tail), else 4. Measured on one H200
 (benchmarks/results/gpu_2026-12-04_session14, 1.5B target trained 120 steps, T=0.9): at
-batch 1 the draft-ahead at depth 6-8 gave 1189.8-1243.2 tokens/s against 979.4-1132.0 at
-depth 4; at batch 4, 16 and 32 depth 4 beat 5 and 6. Depth 4 keeps batch 32 within the
-verify graphs' 256 rows (32 x 5); a depth-8 chain there (288 rows) verified eagerly, 0.61x."""
+batch 1 depth 6-10 accepted 4.01 tokens per step on average against 3.35 at depth 4 (1132
+against 1099 tokens/s, within the noise of 4-response runs); at batch 4, 16 and 32 depth 4
+beat 5 and 6. Depth 4 keeps batch 32 within the verify graphs' 256 rows (32 x 5); a
+depth-8 chain there (288 rows) verified eagerly, 0.61x."""
 
 # --------------------------------------------------------------------------- YAML
 

@@ -19,7 +19,8 @@
 #   t09x512u3  t09x512 with chain levels 2-3 trained on the drafter's own features
 #              (train_drafter --unroll 3; ~3x the training compute; not yet run)
 # SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
-# SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets).
+# SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets;
+# bench spec raises it to at least 32 sequences per run, --min-sequences, e.g. 32 sets at batch 1).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
 # the step that reads the drafts back before verifying beside the default one,
 # "eagle-noahead,eagle-ahead" to time the draft-ahead (MEGATRON_TLT_SPEC_AHEAD, on by

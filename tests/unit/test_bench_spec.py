@@ -29,7 +29,7 @@ def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
     path = tmp_path / "spec.json"
     rc = main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
                "--drafters", "eagle,ngram,eagle-readback,eagle-ahead,eagle-noahead", "--batch-sizes", "1,3", "--max-new-tokens", "12",
-               "--tasks", "sort", "--device", "cpu", "--spec-depth", "3",
+               "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "3",
                "--profile-batch-sizes", "3"])
     assert rc == 0
     report = json.loads(path.read_text())
@@ -74,7 +74,7 @@ def test_bench_spec_fixed_length(tmp_path):
         path = tmp_path / f"spec{len(flag)}.json"
         assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
                      "--batch-sizes", "4", "--max-new-tokens", "24", "--tasks", "sort",
-                     "--device", "cpu", "--breakdown-tokens", "0"] + flag) == 0
+                     "--device", "cpu", "--breakdown-tokens", "0", "--min-sequences", "0"] + flag) == 0
         report = json.loads(path.read_text())
         assert report["settings"]["min_new_tokens"] == (24 if flag else 0)
         lens[bool(flag)] = {r["mode"]: r["repeats"][0]["max_len"] for r in report["results"]} | \
@@ -83,7 +83,7 @@ def test_bench_spec_fixed_length(tmp_path):
     path = tmp_path / "spec_ignore_eos.json"  # --ignore-eos: the same fixed length, no ban
     assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
                  "--batch-sizes", "4", "--max-new-tokens", "24", "--tasks", "sort",
-                 "--device", "cpu", "--breakdown-tokens", "0", "--ignore-eos"]) == 0
+                 "--device", "cpu", "--breakdown-tokens", "0", "--ignore-eos", "--min-sequences", "0"]) == 0
     report = json.loads(path.read_text())
     assert report["settings"]["ignore_eos"] is True
     assert {r["mode"]: (r["repeats"][0]["max_len"], r["mean_len"]) for r in report["results"]} == \
@@ -100,14 +100,15 @@ def test_bench_spec_fixed_length(tmp_path):
 
 def test_bench_spec_prompt_sets(tmp_path):
     """--prompt-sets 3 at batch 2: a timed run generates 3 disjoint batches one after the
-    other and reports their totals (6 responses of a fixed 10 tokens); the default run
-    generates one batch (control); --continuous generates the 6 in one call, 2 at a time."""
+    other and reports their totals (6 responses of a fixed 10 tokens); one set generates one
+    batch (control); --continuous generates the 6 in one call, 2 at a time; --min-sequences 5
+    makes one set three."""
     runs = {}
     for n, flag in ((1, []), (3, []), ("3c", ["--continuous"])):
         path = tmp_path / f"sets{n}.json"
         assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
                      "--batch-sizes", "2", "--max-new-tokens", "10", "--min-new-tokens", "10",
-                     "--tasks", "sort", "--device", "cpu", "--breakdown-tokens", "0",
+                     "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--breakdown-tokens", "0",
                      "--prompt-sets", str(n)[0]] + flag) == 0
         report = json.loads(path.read_text())
         assert report["settings"]["prompt_sets"] == int(str(n)[0])
@@ -123,6 +124,14 @@ def test_bench_spec_prompt_sets(tmp_path):
         assert (runs["3c"][mode]["generate_calls"], runs[3][mode]["generate_calls"]) == (1, 3)
         assert runs[3][mode]["capture_s"] == 0.0  # CPU: no graphs
     assert runs[3]["ngram"]["num_drafts"] > runs[1]["ngram"]["num_drafts"]
+    # --min-sequences 5 at batch 2 with one --prompt-sets: ceil(5 / 2) = 3 sets, as --prompt-sets 3
+    path = tmp_path / "min5.json"
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                 "--batch-sizes", "2", "--max-new-tokens", "10", "--min-new-tokens", "10",
+                 "--tasks", "sort", "--device", "cpu", "--breakdown-tokens", "0",
+                 "--min-sequences", "5"]) == 0
+    for r in json.loads(path.read_text())["results"]:
+        assert r["repeats"][0]["tokens"] == 6 * 10 and r["repeats"][0]["generate_calls"] == 3
 
 
 def test_bench_spec_bad_input(capsys):
@@ -134,6 +143,9 @@ def test_bench_spec_bad_input(capsys):
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
     assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead and/or eagle-noahead" in capsys.readouterr().err
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
+                 "--min-sequences", "-1"]) == 2
+    assert "--min-sequences must be >= 0" in capsys.readouterr().err
 
 
 def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
@@ -142,7 +154,7 @@ def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
     path = tmp_path / "spec.json"
     assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
                  "--drafters", "eagle,eagle@1,ngram@2", "--batch-sizes", "1,3", "--max-new-tokens", "12",
-                 "--tasks", "sort", "--device", "cpu", "--spec-depth", "1:3,3:2", "--ignore-eos",
+                 "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "1:3,3:2", "--ignore-eos",
                  "--breakdown-tokens", "0"]) == 0
     rows = {(r["batch"], r["mode"]): r for r in json.loads(path.read_text())["results"]}
     assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "ngram@2", "off")]
