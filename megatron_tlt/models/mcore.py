@@ -170,7 +170,11 @@ def layer_spec(arch: ModelArch, use_te: Optional[bool] = None):
         use_te = torch.cuda.is_available() and have_te()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    from megatron_tlt.models.sdpa_attention import SDPADotProductAttention, sdpa_enabled
+    if sdpa_enabled():  # MEGATRON_TLT_SDPA_ATTENTION=1: one SDPA call instead of the unfused scores
+        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def build_gpt_model(arch: ModelArch, config, *, use_te: Optional[bool] = None,
