@@ -280,19 +280,9 @@ class DecodeRunner:
         """The speculative verify forward (tree mask) through the fused decode model,
         eagerly: the same kernels as a decode step, Q query rows per sequence (the graph
         path is `verify_rows`)."""
-        bsz, q = meta.tree_mask.shape[0], meta.tree_mask.shape[1]
-        arch = self.model.arch
-        splits = splits_for(self.cache.k[0], bsz, meta.block_tables.shape[1] * self.cache.block_size,
-                            q * (arch.num_heads // arch.num_kv_heads))
-        hidden: dict | None = {} if return_hidden else None
-        logits = self.model.forward(input_ids, positions, meta.slot_mapping, meta.block_tables,
-                                    meta.context_lens, self.cache, num_splits=splits,
-                                    query_start=meta.query_start, tree_mask=meta.tree_mask,
-                                    hidden_out=hidden)
-        if not return_hidden:
-            return ForwardOutput(logits=logits)
-        return ForwardOutput(logits=logits, hidden_final=hidden["final"],
-                             hidden_pre_norm=hidden["pre_norm"])
+        q = meta.tree_mask.shape[1]
+        return self._eager(input_ids, positions, meta, meta.block_tables.shape[1] * self.cache.block_size,
+                           q, return_hidden, tree_mask=meta.tree_mask)
 
     def extend(self, input_ids: torch.Tensor,  # [T] int64, every sequence's new tokens
                positions: torch.Tensor,  # [T] int64
@@ -303,15 +293,20 @@ class DecodeRunner:
         one paged-attention launch per layer, against the generic forward's per-op kernels
         (RMSNorm and RoPE in several ops each, an SDPA per group of equal prompt lengths).
         Logits of `logits_rows` only; hidden states of every row with return_hidden."""
-        bsz = meta.block_tables.shape[0]
+        return self._eager(input_ids, positions, meta, max(meta.host_lengths()[1]), max_query_len,
+                           return_hidden, max_query_len=max_query_len, logits_rows=logits_rows)
+
+    def _eager(self, input_ids, positions, meta, max_context: int, q: int, return_hidden: bool,
+               **model_kw) -> ForwardOutput:
+        """`verify` and `extend`: the fused decode model over `meta`'s rows, split-K chosen
+        for contexts up to max_context and Q query rows per sequence."""
         arch = self.model.arch
-        splits = splits_for(self.cache.k[0], bsz, max(meta.host_lengths()[1]),
-                            max_query_len * (arch.num_heads // arch.num_kv_heads))
+        splits = splits_for(self.cache.k[0], meta.block_tables.shape[0], max_context,
+                            q * (arch.num_heads // arch.num_kv_heads))
         hidden: dict | None = {} if return_hidden else None
         logits = self.model.forward(input_ids, positions, meta.slot_mapping, meta.block_tables,
                                     meta.context_lens, self.cache, num_splits=splits,
-                                    query_start=meta.query_start, max_query_len=max_query_len,
-                                    logits_rows=logits_rows, hidden_out=hidden)
+                                    query_start=meta.query_start, hidden_out=hidden, **model_kw)
         if not return_hidden:
             return ForwardOutput(logits=logits)
         return ForwardOutput(logits=logits, hidden_final=hidden["final"],
