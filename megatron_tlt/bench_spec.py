@@ -190,6 +190,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     capture0 = _capture_seconds(engine, decoder)
     prof = cProfile.Profile() if profile else None
     wall, results, steps, running = 0.0, [], 0, 0
+    first_steps, later_steps = [], []  # each call's first step (the prefill); the rest
     batches, limit = prompts, None
     if getattr(args, "continuous", False) and len(prompts) > 1:
         # one generate call, at most one set's worth of sequences running at once
@@ -213,6 +214,9 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
             wall += time.perf_counter() - t0
             steps += len(engine.step_log)
             running = max([running] + [n for n, _ in engine.step_log])
+            if engine.step_log:
+                first_steps.append(engine.step_log[0][1])
+                later_steps.extend(w for _, w in engine.step_log[1:])
     finally:
         sched.max_num_seqs = full
     errors = [r.error for r in results if r.error]
@@ -224,6 +228,10 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
            "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),
            "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
            "max_running": running,  # most sequences in one engine step
+           # wall of each generate call's first step (the prompts' prefill, its sample and
+           # admission) and the median wall of the steps after it (host-timed, unsynchronised)
+           "first_step_ms": 1e3 * statistics.mean(first_steps) if first_steps else None,
+           "median_step_ms": 1e3 * statistics.median(later_steps) if later_steps else None,
            "generate_calls": len(batches),
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).
@@ -347,6 +355,13 @@ def main(args: argparse.Namespace) -> int:
         for mode in [None] + opts.drafter_names:
             _run(engine, decoders.get(mode), [prompts[:b]], opts, f"warmup-b{b}-{mode}", clock,
                  max_new_tokens=min(16, opts.max_new_tokens))
+        # Every prompt set's prefill once (two new tokens): a prefill through the fused
+        # kernels meets Triton specialisations per row count (multiples of 16 or not, ...)
+        # that one set does not cover; each compiles once, for ~0.1-1 s, which fell into
+        # the first mode's timed run (session 15: the plain batch-1 run's first steps
+        # averaged 130.8 ms against the SD mode's 19.7 ms right after it).
+        _run(engine, None, sets(b), opts, f"warmup-prefill-b{b}", clock,
+             max_new_tokens=min(2, opts.max_new_tokens))
     # Every verify shape a timed run can meet, captured now: a chain cut short near
     # max_new_tokens verifies fewer rows, which the short warm-ups may not have met.
     engine.capture_verify_graphs(max_b, most_nodes + 1)
@@ -399,6 +414,9 @@ def main(args: argparse.Namespace) -> int:
             row = {"batch": b, "mode": mode, "repeats": xs,
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in xs),
                    "mean_len": statistics.mean(x["mean_len"] for x in xs)}
+            for k in ("first_step_ms", "median_step_ms"):
+                vals = [x[k] for x in xs if x.get(k) is not None]
+                row[k] = statistics.median(vals) if vals else None
             if mode != "off":
                 row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
                 row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
@@ -407,8 +425,10 @@ def main(args: argparse.Namespace) -> int:
             rows.append(row)
             acc = (f" acceptance length {row['acceptance_length']:.2f}, speedup {row['speedup']:.2f}x"
                    if mode != "off" else "")
+            steps = (f"; first step {row['first_step_ms']:.1f} ms, then {row['median_step_ms']:.2f} ms "
+                     f"per step (median)" if row["median_step_ms"] is not None else "")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
-                  f"{row['mean_len']:.1f}{acc}", flush=True)
+                  f"{row['mean_len']:.1f}{acc}{steps}", flush=True)
             if row.get("length_mismatch"):
                 print(f"B={b:>3} {mode:>5}: WARNING mean length {row['mean_len']:.1f} vs plain "
                       f"{off_len:.1f}: tokens/s carry prefill differently, the speedup is not "

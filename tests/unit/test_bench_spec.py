@@ -48,6 +48,9 @@ def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
         run = r["repeats"][0]
         # Engine steps: at least the longest response's tokens / (depth + 1), at most its length + 1.
         assert -(-run["max_len"] // 4) <= run["steps"] <= run["max_len"] + 1
+        # the prefill step and the median of the rest, from the engine's step log
+        assert run["first_step_ms"] > 0 and run["median_step_ms"] > 0
+        assert r["first_step_ms"] == run["first_step_ms"]  # one repeat: its median
         assert run["events"] == {}  # CPU: no graphs, no planner
         assert ("profile" in r) == (b == 3)
         if b == 3:
