@@ -605,10 +605,13 @@ def test_verify_over_graph_rows_runs_eagerly_and_warns_once(monkeypatch, caplog)
 def test_fused_prefill_matches_generic_prefill(dt, monkeypatch):
     """MEGATRON_TLT_FUSED_PREFILL=1 (DecodeRunner.extend: the fused decode model, one causal
     paged-attention launch per layer) against the generic prefill on the same weights:
-    last-token logits of ragged prompts (1 to 700 tokens) within rounding (float32 1e-5;
-    bfloat16 3e-2 of the largest logit, the generic path rounds per op), then float32 greedy
-    generation token for token (or diverging only at a near-tie). Negative controls: unset,
-    DecodeRunner.extend is never called; another row's logits fail the comparison."""
+    last-token logits of ragged prompts (1 to 700 tokens): float32 within 1e-5, then greedy
+    generation token for token (or diverging only at a near-tie); bfloat16 against the
+    float32 generic prefill of the same (rounded) weights, the fused path's error at most
+    twice the generic bfloat16 path's plus 1e-3 of the largest logit (the two round at
+    different places: session 15 measured them 0.076 apart on this model, so a direct
+    bfloat16 bound says little). Negative controls: unset, DecodeRunner.extend is never
+    called; another row's logits fail the comparison."""
     from megatron_tlt.rollout.cuda_graphs import DecodeRunner
     arch, w = small_model(dt)
     calls = []
@@ -631,9 +634,20 @@ def test_fused_prefill_matches_generic_prefill(dt, monkeypatch):
         runs.append((logits, out, list(calls)))
     (gl, gout, gcalls), (fl, fout, fcalls) = runs
     assert gcalls == [] and fcalls[0] == 700
-    assert rel_err(fl, gl) < (1e-5 if dt == torch.float32 else 3e-2)
-    if dt == torch.float32:  # bfloat16 runs diverge at the first near-tie: logits only
-        _assert_same_or_near_tie(gout, fout)
+    if dt == torch.float32:
+        assert rel_err(fl, gl) < 1e-5
+        _assert_same_or_near_tie(gout, fout)  # bfloat16 runs diverge at the first near-tie
+    else:
+        _, w32 = small_model(torch.float32)
+        with torch.no_grad():
+            for t32, t in zip(w32.tensors(), w.tensors()):
+                t32.copy_(t)
+        monkeypatch.setenv("MEGATRON_TLT_FUSED_PREFILL", "0")
+        ref_eng = engine(arch, w32, torch.float32, attention_backend="triton", cuda_graphs=True)
+        ref_seqs = [ref_eng.add_sequence(r) for r in requests(arch.vocab_size, specs, seed=11, tag="p")]
+        ref = ref_eng.forward_pending(ref_seqs).logits
+        gen_err, fused_err = rel_err(gl, ref), rel_err(fl, ref)
+        assert fused_err <= 2 * gen_err + 1e-3, (fused_err, gen_err)
     # Control: the comparison sees a wrong row (another prompt's logits).
     assert rel_err(fl.roll(1, 0), gl) > 1e-1
 
