@@ -116,7 +116,12 @@ class SlotKV:
         instead of ~12 torch ops, reading only keys 0..last; its own flash-style
         roundings, the same for a row alone or in any batch); elsewhere, or with
         MEGATRON_TLT_DRAFT_PAGED_ATTN=0, masked GQA attention over the slot's whole
-        capacity (query head h reads KV head h // (H / KVH); a fixed number of ops)."""
+        capacity (query head h reads KV head h // (H / KVH); a fixed number of ops). On
+        the CPU the two products are broadcast multiplies and sums (the same fixed ops): a
+        batched matmul over N rows may vectorise across the rows (MKL did on an AVX-512
+        AMD EPYC, session 15), so a row's bits depended on how many rows shared the call;
+        a sum's order per output element does not, and the CPU path is the
+        batch-invariant reference."""
         if paged_levels(q):
             from megatron_tlt.rollout.triton_attention import paged_attention
             return paged_attention(q, self.k, self.v, slots[:, None], last + 1, scale=scale)
@@ -125,8 +130,19 @@ class SlotKV:
         rep = h // kvh
         k = self.k.index_select(0, slots)  # [N, cap, KVH, D]
         v = self.v.index_select(0, slots)
-        scores = torch.matmul(q.reshape(n, kvh, rep, d), k.permute(0, 2, 3, 1)) * scale  # [N, KVH, rep, cap]
+        cpu = q.device.type == "cpu"
+        qg = q.reshape(n, kvh, rep, d)
+        kt = k.permute(0, 2, 1, 3)  # [N, KVH, cap, D]
+        if cpu:  # [N, KVH, rep, cap, D] summed over D
+            scores = (qg[:, :, :, None, :] * kt[:, :, None, :, :]).sum(-1) * scale
+        else:
+            scores = torch.matmul(qg, kt.transpose(2, 3)) * scale  # [N, KVH, rep, cap]
         seen = torch.arange(cap, device=q.device) <= last[:, None]  # [N, cap]
         scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, v.transpose(1, 2)).reshape(n, h, d)  # [N, KVH, rep, D] -> [N, H, D]
+        vt = v.permute(0, 2, 1, 3)  # [N, KVH, cap, D]
+        if cpu:  # [N, KVH, rep, cap, D] summed over cap
+            out = (probs[..., None] * vt[:, :, None, :, :]).sum(-2)
+        else:
+            out = torch.matmul(probs, vt)
+        return out.reshape(n, h, d)  # [N, KVH, rep, D] -> [N, H, D]

@@ -398,3 +398,31 @@ def test_proposer_follows_the_engines_batch_invariance(spec_models, invariant):
     finally:
         rollout_model.F.linear = linear
     assert calls == ([16, 16] if invariant else [20])
+
+
+def test_attend_one_rows_are_batch_invariant_on_cpu():
+    """SlotKV.attend_one on the CPU (the reference path): each row's output is bit for bit
+    the same whether it is attended alone or among 13 rows (the batched matmul it used
+    before broke this on an AVX-512 AMD EPYC: draft probabilities 1e-8 apart, session 15),
+    and equals float64 attention within float32 rounding. Control: one key fewer changes
+    the output."""
+    from megatron_tlt.spec.drafter_kv import SlotKV
+    g = torch.Generator().manual_seed(5)
+    kv = SlotKV(2, 16, torch.float32, "cpu", min_capacity=48)
+    slots = [kv.acquire() for _ in range(6)]
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    n = 13
+    q = torch.randn(n, 6, 16, generator=g)
+    sl = torch.tensor([slots[i % 6] for i in range(n)])
+    last = torch.randint(0, 48, (n,), generator=g)
+    batched = kv.attend_one(q, sl, last, 0.25)
+    for i in range(n):
+        assert torch.equal(kv.attend_one(q[i:i + 1], sl[i:i + 1], last[i:i + 1], 0.25)[0], batched[i]), i
+    k = kv.k.double()[sl].repeat_interleave(3, dim=2)  # [N, cap, H, D]
+    v = kv.v.double()[sl].repeat_interleave(3, dim=2)
+    s = torch.einsum("nhd,nchd->nhc", q.double(), k) * 0.25
+    s = s.masked_fill(torch.arange(48)[None, None, :] > last[:, None, None], float("-inf"))
+    ref = torch.einsum("nhc,nchd->nhd", torch.softmax(s, -1), v)
+    torch.testing.assert_close(batched.double(), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(kv.attend_one(q, sl, (last - 1).clamp(min=0), 0.25)[last > 0], batched[last > 0])
