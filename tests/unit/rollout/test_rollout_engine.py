@@ -16,6 +16,30 @@ def test_fast_path_options_pick_triton_and_graphs_on_cuda_only():
     assert fast_path_options("cuda") == fast_path_options(torch.device("cuda", 0)) == want
 
 
+def test_fused_prefill_is_on_unless_the_environment_turns_it_off(monkeypatch):
+    """MEGATRON_TLT_FUSED_PREFILL: unset or "1" -> the fused prefill (where the engine runs
+    the fused kernels at all: a CUDA engine with the Triton backend, `_fused_verify`);
+    "0" -> the generic forward. A CPU engine never takes it, whatever the variable."""
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout.engine import FUSED_PREFILL_ENV, RolloutEngine
+    from megatron_tlt.rollout.weights import EngineWeights
+
+    arch = ModelArch(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                     max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=True)
+    w = EngineWeights.make_dummy(arch, seed=0)
+    got = {}
+    for value in (None, "1", "0"):
+        if value is None:
+            monkeypatch.delenv(FUSED_PREFILL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(FUSED_PREFILL_ENV, value)
+        eng = RolloutEngine(arch, w, max_num_seqs=2, num_blocks=8, block_size=4)
+        got[value] = eng.fused_prefill
+        assert not eng._fused_verify()  # CPU: the generic forward prefills either way
+    assert got == {None: True, "1": True, "0": False}
+
+
 def test_verify_chains_output_equals_verify_forward_output():
     """engine.verify_chains_output (the deferred step's entry: chains of one depth, drafts
     given as a tensor, query rows built as lists) == verify_forward_output of the same
