@@ -43,7 +43,10 @@ DEFAULT_SPEC_DEPTH = "1:7,32:4"
 batch 1 depth 6-10 accepted 4.01 tokens per step on average against 3.35 at depth 4 (1132
 against 1099 tokens/s, within the noise of 4-response runs); at batch 4, 16 and 32 depth 4
 beat 5 and 6. Depth 4 keeps batch 32 within the verify graphs' 256 rows (32 x 5); a
-depth-8 chain there (288 rows) verified eagerly, 0.61x."""
+depth-8 chain there (288 rows) verified eagerly, 0.61x. Session 15 (32 sequences per run,
+a weaker drafter: top-1 0.706 against 0.743) saw no gain from depth 7 at batch 1: 2.21x
+against 2.27x / 2.28x at depth 4 / 5 in the same process. Kept at 7 until a drafter
+trained on its own chain levels (train_drafter --unroll) is timed against it."""
 
 # --------------------------------------------------------------------------- YAML
 
