@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -191,6 +192,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     prof = cProfile.Profile() if profile else None
     wall, results, steps, running = 0.0, [], 0, 0
     first_steps, later_steps = [], []  # each call's first step (the prefill); the rest
+    gc0 = gc.get_stats()[2]["collections"]
     batches, limit = prompts, None
     if getattr(args, "continuous", False) and len(prompts) > 1:
         # one generate call, at most one set's worth of sequences running at once
@@ -232,6 +234,10 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
            # admission) and the median wall of the steps after it (host-timed, unsynchronised)
            "first_step_ms": 1e3 * statistics.mean(first_steps) if first_steps else None,
            "median_step_ms": 1e3 * statistics.median(later_steps) if later_steps else None,
+           "first_steps_ms": [round(1e3 * w, 3) for w in first_steps],
+           # Python's full (generation 2) garbage collections during the run: each walks
+           # every live object, milliseconds in a process holding many graphs and tensors
+           "gc_full_collections": gc.get_stats()[2]["collections"] - gc0,
            "generate_calls": len(batches),
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).

@@ -51,6 +51,7 @@ def test_bench_spec_cpu(tmp_path, capsys, monkeypatch):
         # the prefill step and the median of the rest, from the engine's step log
         assert run["first_step_ms"] > 0 and run["median_step_ms"] > 0
         assert r["first_step_ms"] == run["first_step_ms"]  # one repeat: its median
+        assert len(run["first_steps_ms"]) == run["generate_calls"] and run["gc_full_collections"] >= 0
         assert run["events"] == {}  # CPU: no graphs, no planner
         assert ("profile" in r) == (b == 3)
         if b == 3:
