@@ -94,6 +94,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "static-cache decode step, HF's default on CUDA) and/or 'eager'")
     p.add_argument("--compare-cublas", action="store_true",
                    help="also time decode with every projection on cuBLAS (graphs recaptured)")
+    p.add_argument("--compare-pdl", action="store_true",
+                   help="also time decode with the Triton kernels launched with programmatic "
+                        "dependent launch (MEGATRON_TLT_PDL; graphs recaptured; Hopper or later)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -470,6 +473,27 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         plans = [{"m": k[0], "n": k[1], "k": k[2], "config": str(c), "us": us,
                   "candidates_us": runner.model.planner.timings.get(k, {})}
                  for k, (c, us) in runner.model.planner.plans.items()]
+    if args.compare_pdl and runner is not None and plan.graphs:
+        from megatron_tlt.rollout import pdl
+        if not pdl.supported(plan.device):
+            log(f"[{name}] --compare-pdl: {plan.device} is not Hopper or later, skipped")
+        else:
+            flag = runner.model.pdl  # decode_ms ran with this setting; time the other one
+            key = "decode_ms_nopdl" if flag else "decode_ms_pdl"
+            runner.model.pdl = not flag
+            runner.release()  # graphs recaptured with the other launches
+            for row in rows:
+                try:
+                    row[key] = time_device_decode(engine, prompts[:row["batch"]], steps=args.steps,
+                                                  repeats=args.repeats, warmup=args.warmup)
+                    log(f"[{name}] B={row['batch']}: decode with PDL {'off' if flag else 'on'} "
+                        f"{row[key]:.3f} ms/step")
+                except Exception as e:  # noqa: BLE001
+                    row["errors"].append(f"decode ({key}): {type(e).__name__}: {e}")
+            runner.model.pdl = flag
+            runner.release()
+            for row in rows:
+                row["pdl"] = flag
     if args.compare_cublas and runner is not None and plan.graphs:
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
@@ -587,6 +611,7 @@ def main(args: argparse.Namespace) -> int:
         row["hf_mode"] = min(modes, key=modes.get) if modes else None
         row["hf_ms_by_mode"] = modes
         row["of_roofline_cublas"] = ratio(row["roofline_ms"], row.get("decode_ms_cublas"))
+        row["of_roofline_pdl"] = ratio(row["roofline_ms"], row.get("decode_ms_pdl"))
         row["hf_over_decode"] = ratio(hf, row["decode_ms"])
         row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
 
@@ -615,7 +640,8 @@ def main(args: argparse.Namespace) -> int:
                      "repeats": opts.repeats, "warmup": opts.warmup,
                      "prompt_len": opts.prompt_len, "hf_batch_sizes": opts.hf_batch_sizes,
                      "hf": not opts.no_hf, "hf_modes": opts.hf_modes,
-                     "compare_cublas": opts.compare_cublas, "seed": opts.seed},
+                     "compare_cublas": opts.compare_cublas, "compare_pdl": opts.compare_pdl,
+                     "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
             "decode_ms": "graph replay + on-device greedy argmax + input update, CUDA events, "
@@ -629,6 +655,8 @@ def main(args: argparse.Namespace) -> int:
                               "compiled (generate's auto torch.compile) and eager modes "
                               "(differenced lengths; hf_ms_by_mode has both)",
             "decode_ms_cublas": "decode_ms with every projection on cuBLAS (LinearPlanner fixed)",
+            "decode_ms_pdl": "decode_ms with programmatic dependent launch (--compare-pdl, when "
+                             "decode_ms ran without it; decode_ms_nopdl the converse)",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate",
         },

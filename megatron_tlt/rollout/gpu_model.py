@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import paged_attention
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
@@ -58,7 +59,11 @@ def _sum_planes(ptr, stride_s, offs, mask, S: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x, stride_r,
                      stride_o, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -100,7 +105,8 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
     _rms_norm_kernel[(t,)](xp, res, weight, bias if bias is not None else weight, out,
                            xp.stride(0), xp.stride(1), res.stride(0), out.stride(0),
                            float(eps), N=n, BLOCK=block, S=s, HAS_RESIDUAL=residual is not None,
-                           HAS_BIAS=bias is not None, num_warps=4 if block <= 2048 else 8)
+                           HAS_BIAS=bias is not None, num_warps=4 if block <= 2048 else 8,
+                           **pdl.kwargs())
     return out
 
 
@@ -112,7 +118,11 @@ def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_
                      eps,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                     S: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+                     S: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # One program per token, all its query and key heads as rows h = 0..H+KVH-1 (query
     # heads first, as in the fused QKV output). Every `.to(<model dtype>).to(tl.float32)`
     # is one rounding to the model dtype, where the reference's bf16 torch ops round.
@@ -210,13 +220,17 @@ def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q, k, v
         HEADS_PAD=max(2, _next_pow2(num_heads + num_kv_heads)), HEAD_DIM=head_dim,
         HALF=head_dim // 2, HALF_PAD=max(16, _next_pow2(head_dim // 2)),
         S=qkv.shape[0], HAS_BIAS=bias is not None, QK_NORM=qk_norm,
-        num_warps=4)
+        num_warps=4, **pdl.kwargs())
     return q
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_xs, stride_x, stride_o,
-                     N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -237,7 +251,7 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up; or [S,
     out = torch.empty(t, n, dtype=dtype or gate_up.dtype, device=gu.device)
     block = 1024
     _silu_mul_kernel[(t, -(-n // block))](gu, out, gu.stride(0), gu.stride(1), out.stride(0),
-                                          N=n, BLOCK=block, S=s, num_warps=4)
+                                          N=n, BLOCK=block, S=s, num_warps=4, **pdl.kwargs())
     return out
 
 
@@ -257,6 +271,10 @@ class DecodeModel:
         self.sin = sin
         self.scale = arch.head_dim ** -0.5
         self.planner = planner if planner is not None else LinearPlanner()
+        self.pdl = pdl.requested() and pdl.supported(weights.device)
+        """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
+        MEGATRON_TLT_PDL=1 on a Hopper GPU; a runner's graphs take the setting they were
+        captured with (release() and recapture after changing it)."""
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_partials(x, weight, self.planner.config(x, weight))
@@ -272,7 +290,12 @@ class DecodeModel:
         return self._linear(y, weight), residual
 
     @torch.no_grad()
-    def forward(self,
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """`_forward` (below) with this model's kernels launched as `self.pdl` says."""
+        with pdl.launches(self.pdl):
+            return self._forward(*args, **kwargs)
+
+    def _forward(self,
                 input_ids: torch.Tensor,  # [T] int32/int64 (any stride); T = B (decode) or B * Q
                 positions: torch.Tensor,  # [T] int (any stride)
                 slot_mapping: torch.Tensor,  # [T] int (any stride); -1 for padding rows

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.attention import AttentionMetadata
 from megatron_tlt.rollout.host import int64_tensor, to_device
 
@@ -87,7 +88,10 @@ def _paged_attention_kernel(
         scale_log2, num_splits,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        SPLIT: tl.constexpr, MODE: tl.constexpr):
+        SPLIT: tl.constexpr, MODE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -170,7 +174,11 @@ def _paged_attention_kernel(
 def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
                     stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
                     stride_ot, stride_oh, num_splits,
-                    S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                    S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ml = t * stride_pmt + h * stride_pmh
@@ -320,12 +328,12 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
         float(scale) * _LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, num_warps=4, num_stages=2)
+        SPLIT=num_splits > 1, MODE=mode, num_warps=4, num_stages=2, **pdl.kwargs())
     if num_splits > 1:
         _combine_kernel[(t, num_heads)](
             po, pm, pl, out, po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             out.stride(0), out.stride(1), num_splits,
-            S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4)
+            S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4, **pdl.kwargs())
     return out
 
 

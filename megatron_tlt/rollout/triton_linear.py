@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.linear_plans import CUBLAS, LinearConfig, PlanCache, PlanFile  # noqa: F401 (re-exported)
 
@@ -107,7 +108,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    k_split, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
-                   PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
+                   PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+                   USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,7 +220,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          res.stride(0) if residual is not None else 0, float(eps),
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
 
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)

@@ -840,3 +840,40 @@ def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
     again = graphs.generate(_sampled(reqs, [0.9, 0.9, 0.9, 0.0]))
     assert ra.num_captures == 2 and ra.num_sample_graphs >= 2
     assert [x.token_ids for x in again] == [x.token_ids for x in a]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_pdl_decode_equals_plain_decode(monkeypatch):
+    """DecodeModel.pdl (MEGATRON_TLT_PDL=1: the decode forward's Triton kernels launched with
+    programmatic dependent launch, rollout/pdl.py): the same kernels in the same order, so
+    graph decode must give the same tokens and bit-identical logprobs as without it; a
+    kernel running ahead of its predecessor's writes would show as a difference. bfloat16,
+    ragged prompts, greedy and T=0.9 rows, batch 7 (and its bucket padding), 40 steps.
+    Control: the PDL run really launched with PDL (pdl.kwargs handed out launch_pdl), the
+    plain run never did."""
+    from megatron_tlt.rollout import pdl
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype, seed=5)
+    launched = {False: 0, True: 0}
+    real = pdl.kwargs
+
+    def counting():
+        kw = real()
+        launched[flag] += bool(kw.get("launch_pdl"))
+        return kw
+    monkeypatch.setattr(pdl, "kwargs", counting)
+    g = torch.Generator().manual_seed(6)
+    reqs = [Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
+                    sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,
+                                                   max_new_tokens=40, min_new_tokens=40))
+            for i, n in enumerate([1, 9, 33, 120, 5, 64, 17])]
+    outs = {}
+    for flag in (False, True):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+        eng.decode_runner.model.pdl = flag
+        res = eng.generate(reqs)
+        assert eng.decode_runner.num_steps >= 39
+        outs[flag] = [(r.token_ids, r.logprobs) for r in res]
+    assert launched[False] == 0 and launched[True] > 0, launched
+    assert outs[True] == outs[False]

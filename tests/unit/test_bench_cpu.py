@@ -23,10 +23,14 @@ def _run(tmp_path, *extra) -> dict:
 
 
 def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
-    report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager")
+    report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
+                  "--compare-pdl")
     for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
         assert key in report
     assert report["errors"] == []
+    # --compare-pdl is recorded; without CUDA graphs (CPU) there is nothing to compare
+    assert report["settings"]["compare_pdl"] is True
+    assert all("decode_ms_pdl" not in r and r["of_roofline_pdl"] is None for r in report["results"])
     assert report["command"].startswith("megatron-tlt bench rollout --json ")
     assert "--shapes tiny" in report["command"]
     assert report["bandwidth"]["roofline_GBps"] >= report["bandwidth"]["copy_rw_GBps"] > 0

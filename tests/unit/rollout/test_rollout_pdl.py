@@ -1,0 +1,34 @@
+"""rollout/pdl.py: the launch-keyword switch the decode forward's Triton kernels read."""
+
+import torch
+
+from megatron_tlt.rollout import pdl
+
+
+def test_launch_keywords_follow_the_innermost_context(monkeypatch):
+    """Off outside any context; `launches(True)` hands out USE_PDL and launch_pdl, a nested
+    `launches(False)` turns them off for its body only, and every exit restores the outer
+    setting, an exception's included."""
+    assert pdl.kwargs() == {"USE_PDL": False} and not pdl.active()
+    with pdl.launches(True):
+        assert pdl.kwargs() == {"USE_PDL": True, "launch_pdl": True}
+        with pdl.launches(False):
+            assert pdl.kwargs() == {"USE_PDL": False}
+        assert pdl.active()
+        try:
+            with pdl.launches(False):
+                raise KeyError("x")
+        except KeyError:
+            pass
+        assert pdl.active()
+    assert pdl.kwargs() == {"USE_PDL": False}
+
+
+def test_requested_by_the_environment_and_never_on_a_cpu(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert not pdl.requested()
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert pdl.requested()
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert not pdl.requested()
+    assert not pdl.supported("cpu") and not pdl.supported(torch.device("cpu"))
