@@ -38,8 +38,9 @@ if [ ! -f "$OUT/sft/hf/config.json" ]; then
   echo "[h200_rl_step] 1/3 target: SFT $SFT_STEPS steps"
   $PY -m megatron_tlt sft --config examples/sft_bench_1p5b.yaml train.out_dir="$OUT/sft" \
       train.steps="$SFT_STEPS" optim.lr_warmup_steps=5 sft.eval_interval=0 sft.progress=false \
-      2>&1 | tail -n 15
+      2>&1 | tee "$OUT/sft_train.log" | tail -n 15
   echo "[h200_rl_step] target done at $(( $(date +%s) - t0 )) s"
+  keep "$OUT/sft_train.log"  # the whole log: the loss every log_interval steps
   rm -rf "$OUT/sft/checkpoints"  # ~21 GB of model + optimizer state; the HF export is kept
 fi
 if [ "${STOP_AFTER:-}" = target ]; then

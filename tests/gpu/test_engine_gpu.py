@@ -1,5 +1,5 @@
 """GPU rollout path: Triton kernels == their PyTorch references; CUDA-graph decode == eager
-decode; the engine wiring (SDPA prefill, graph decode, on-device greedy sampling);
+decode; the engine wiring (fused prefill, graph decode, on-device greedy sampling);
 in-place weight updates and sleep/wake with captured graphs.
 
 Runs only with CUDA (tests/conftest.py skips tests/gpu/ otherwise). References: the
@@ -460,7 +460,7 @@ def _assert_same_or_near_tie(ref, out, *, lp_tol=2e-3, max_ties=2):
 
 
 def test_engine_triton_graphs_matches_torch_backend_fp32():
-    """Engine semantics: triton backend (SDPA prefill, graph decode, device greedy) ==
+    """Engine semantics: triton backend (fused prefill by default, graph decode, device greedy) ==
     the torch reference backend, float32, ragged prompts, batch 3 (padded to 4) and 13."""
     dtype = torch.float32
     arch, w = small_model(dtype)
