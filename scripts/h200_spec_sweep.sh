@@ -18,7 +18,7 @@
 #              t09x512's 277 s on one H200: a call of its own; not yet run)
 #   t09x512u3  t09x512 with chain levels 2-3 trained on the drafter's own features
 #              (train_drafter --unroll 3; ~3x the training compute; not yet run)
-# SWEEP_DEPTHS (default "4 6"): chain depths; SWEEP_BATCHES (default 1,4,16,32);
+# SWEEP_DEPTHS (default "4 6"): chain depths ("none": only train the drafters); SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets;
 # bench spec raises it to at least 32 sequences per run, --min-sequences, e.g. 32 sets at batch 1).
 # SWEEP_MODES (default eagle): bench spec --drafters, e.g. "eagle,eagle-readback" to time
@@ -78,8 +78,10 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
     echo "[spec_sweep] drafter $d done at $(( $(date +%s) - t0 )) s"
   fi
 done
+depths=${SWEEP_DEPTHS:-4 6}
+[ "$depths" = none ] && depths=""  # SWEEP_DEPTHS=none: train the drafters, no bench
 for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
-  for k in ${SWEEP_DEPTHS:-4 6}; do
+  for k in $depths; do
     name="bench_spec_${d}_depth${k//[:,]/_}${SWEEP_TAG:-}"
     json="$OUT/$name.json"
     [ -f "$json" ] && continue

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One stage of a device session on the lent H200, each made to fit one call of the device
+# tool and to leave the machine standing (a call the tool kills at its limit loses the
+# machine: sessions 13 and 14). Every stage runs under `timeout` below LIMIT and this
+# script always exits 0; what a stage finished is in RESULTS_DIR (the tool's $OUT).
+#   bash scripts/h200_runbook.sh STAGE RESULTS_DIR [LIMIT_S]
+# LIMIT_S: the tool call's timeout_s (default 590); each stage stops 25 s before it.
+# Stages, in the order a session runs them (the machine keeps /tmp/h200rl between calls
+# made within its 30 s idle window; `target` must run first on a fresh machine):
+#   setup     megatron-core from .whl into /tmp/site, pytest from .whl/opt (every stage
+#             runs it; idempotent, a few seconds)
+#   target    the 120-step benchmark SFT alone (scripts/h200_rl_step.sh STOP_AFTER=target,
+#             ~490 s): the trained target for every SD measurement
+#   drafters  DRAFTERS (default "t09x512u3 t09x512") trained on the target; a cut run
+#             resumes at the next call (train_drafter keeps its state)
+#   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,16,32),
+#             SPEC_MODES (default eagle,eagle@4,eagle@5), the defaults otherwise; JSONs
+#             and logs into RESULTS_DIR
+#   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
+#             (random weights, no target needed) and the PDL GPU test
+#   gputests  tests/gpu (GPU_TESTS overrides the list)
+# Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
+set -uo pipefail
+STAGE=${1:?usage: h200_runbook.sh STAGE RESULTS_DIR [LIMIT_S]}
+RESULTS=${2:?usage: h200_runbook.sh STAGE RESULTS_DIR [LIMIT_S]}
+LIMIT=${3:-590}
+BUDGET=$(( LIMIT - 25 ))
+WORK=${WORK:-/tmp/h200rl}
+PY=${PYTHON:-python3}
+mkdir -p "$RESULTS"
+t0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/megatron*.whl > /dev/null 2>&1 || { [ -d /tmp/site/megatron ] || { echo "no megatron-core wheel in .whl"; exit 0; }; }
+$PY -c "import pytest" 2> /dev/null || $PY -m pip install -q --no-index --no-deps \
+    --target /tmp/site2 .whl/opt/*.whl > /dev/null 2>&1
+export PYTHONPATH=/tmp/site:/tmp/site2:$PWD TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export MEGATRON_TLT_LINEAR_PLANS=${MEGATRON_TLT_LINEAR_PLANS:-$WORK/linear_plans.json}
+mkdir -p "$WORK"
+
+case "$STAGE" in
+  setup) ;;
+  target)
+    STOP_AFTER=target timeout "$(left)" bash scripts/h200_rl_step.sh "$WORK" 120 "$RESULTS"
+    echo "[runbook] target: rc=$? at $(( $(date +%s) - t0 )) s" ;;
+  drafters|spec)
+    [ -f "$WORK/sft/hf/config.json" ] || { echo "[runbook] no target in $WORK (run the target stage first)"; exit 0; }
+    for d in ${DRAFTERS:-t09x512u3 t09x512}; do
+      [ "$(left)" -gt 30 ] || break
+      if [ "$STAGE" = drafters ]; then
+        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=none timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
+      elif [ -f "$WORK/drafter_$d/config.json" ]; then
+        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:7,32:4} SWEEP_TAG=${SPEC_TAG:-_s16} \
+        SWEEP_MODES=${SPEC_MODES:-eagle,eagle@4,eagle@5} SWEEP_BATCHES=${SPEC_BATCHES:-1,16,32} \
+            timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
+      fi
+      echo "[runbook] $STAGE $d: rc=$? at $(( $(date +%s) - t0 )) s"
+    done ;;
+  rollout)
+    timeout "$(( $(left) - 100 ))" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_pdl.json" \
+        --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl 2>&1 | tail -n 30
+    timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k pdl \
+        2>&1 | tail -n 15 | tee "$RESULTS/gpu_tests_pdl.log"
+    echo "[runbook] rollout: at $(( $(date +%s) - t0 )) s" ;;
+  gputests)
+    # shellcheck disable=SC2086
+    timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
+        > "$RESULTS/gpu_tests.log" 2>&1
+    echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
+    grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec rollout gputests)" ;;
+esac
+exit 0
