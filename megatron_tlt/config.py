@@ -397,8 +397,11 @@ class RolloutConfig(ConfigSection):
     """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
     spec_num_verify: int | None = None
     """Tree nodes verified per step (the root counts); null: every drafted node."""
-    spec_threshold: int | None = None
-    """Speculate only while the running batch is <= this; null: always."""
+    spec_threshold: int | None = 16
+    """Speculate only while the running batch is <= this (the long tail); null: always.
+    Default 16: on one H200 (1.5B target trained 120 steps, T=0.9, session 15) EAGLE gave
+    1.33x at 16 running sequences and 0.99-1.01x at 32, and past 51 sequences a depth-4
+    verify outgrows the verify graphs' 256 rows and runs eagerly."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -330,11 +330,17 @@ def test_spec_depth_schedule(tmp_path):
     assert [dec.choose(b).depth for b in (1, 5, 8, 20, 64)] == [6, 4, 4, 3, 3] and dec.choose(65) is None
     one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram",
                                                                             "rollout.spec_depth=4"])), None)
-    assert {one.choose(b).depth for b in (1, 8, 64)} == {4}
+    assert {one.choose(b).depth for b in (1, 8, 16)} == {4}
     # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 7 while one
-    # sequence runs, else 4 (above the last bound too).
+    # sequence runs, else 4 (above the last bound too); with rollout.spec_threshold's
+    # default, SD only while at most 16 sequences run.
+    assert load_config(None, []).rollout.spec_threshold == 16
     dflt = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram"])), None)
-    assert [dflt.choose(b).depth for b in (1, 2, 32, 33, 256)] == [7, 4, 4, 4, 4]
+    assert [dflt.choose(b).depth for b in (1, 2, 16)] == [7, 4, 4]
+    assert dflt.choose(17) is None and dflt.choose(256) is None
+    always = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(
+        None, ["rollout.spec=ngram", "rollout.spec_threshold=null"])), None)
+    assert [always.choose(b).depth for b in (1, 2, 32, 33, 256)] == [7, 4, 4, 4, 4]
     from megatron_tlt.bench_spec import parse_args as bench_spec_args
     from megatron_tlt.config import DEFAULT_SPEC_DEPTH
     from megatron_tlt.rollout.cli import add_generate_args
