@@ -9,8 +9,10 @@ weights of a benchmark shape, alternating the two modes over --repeats rounds.
 A timed run is `engine.generate` of B requests with --new-tokens new tokens each (default
 1: the prefill, one sample, admission and bookkeeping: what a rollout's first step costs).
 With more than one new token it also reports, from the engine's step log, the first
-step's wall (the prefill) and the median wall of the decode steps after it, per mode: do
-the decode steps that follow a prefill depend on which path prefilled?
+step's wall (the prefill) and the median wall of the steps after it, per mode: do the
+decode steps that follow a prefill depend on which path prefilled? (Prompts over the
+engine's token budget per step, e.g. 8 x 2048 tokens, prefill over several steps: the
+steps after the first are then partly prefill.)
 Prompt lengths are drawn from [prompt_len / 2, prompt_len] (seeded), as the synthetic
 tasks' prompts vary, so the generic path meets several length groups at larger batches.
 Prints, per batch size, the median ms of each mode, their ratio and how many of the B
