@@ -397,6 +397,19 @@ def _plan(args) -> _Plan:
     return _Plan(device, backend, graphs, dtype)
 
 
+def _retime(engine, rows: list[dict], prompts, args, key: str, tag: str, what: str, name: str,
+            log) -> None:
+    """Every row's decode timed again into row[key] (after a setting changed and the
+    graphs were released, so they are recaptured); a failure goes to the row's errors."""
+    for row in rows:
+        try:
+            row[key] = time_device_decode(engine, prompts[:row["batch"]], steps=args.steps,
+                                          repeats=args.repeats, warmup=args.warmup)
+            log(f"[{name}] B={row['batch']}: decode with {what} {row[key]:.3f} ms/step")
+        except Exception as e:  # noqa: BLE001 - keep measuring the rest; reported in the JSON
+            row["errors"].append(f"decode ({tag}): {type(e).__name__}: {e}")
+
+
 def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict], dict]:
     arch = ModelArch(**SHAPES[name])
     batch_sizes = sorted(set(args.batch_sizes))
@@ -479,17 +492,10 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
             log(f"[{name}] --compare-pdl: {plan.device} is not Hopper or later, skipped")
         else:
             flag = runner.model.pdl  # decode_ms ran with this setting; time the other one
-            key = "decode_ms_nopdl" if flag else "decode_ms_pdl"
             runner.model.pdl = not flag
-            runner.release()  # graphs recaptured with the other launches
-            for row in rows:
-                try:
-                    row[key] = time_device_decode(engine, prompts[:row["batch"]], steps=args.steps,
-                                                  repeats=args.repeats, warmup=args.warmup)
-                    log(f"[{name}] B={row['batch']}: decode with PDL {'off' if flag else 'on'} "
-                        f"{row[key]:.3f} ms/step")
-                except Exception as e:  # noqa: BLE001
-                    row["errors"].append(f"decode ({key}): {type(e).__name__}: {e}")
+            runner.release()
+            key = "decode_ms_nopdl" if flag else "decode_ms_pdl"
+            _retime(engine, rows, prompts, args, key, key, f"PDL {'off' if flag else 'on'}", name, log)
             runner.model.pdl = flag
             runner.release()
             for row in rows:
@@ -498,15 +504,7 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
         runner.release()
-        for row in rows:
-            try:
-                row["decode_ms_cublas"] = time_device_decode(
-                    engine, prompts[:row["batch"]], steps=args.steps, repeats=args.repeats,
-                    warmup=args.warmup)
-                log(f"[{name}] B={row['batch']}: decode with cuBLAS-only projections "
-                    f"{row['decode_ms_cublas']:.3f} ms/step")
-            except Exception as e:  # noqa: BLE001
-                row["errors"].append(f"decode (cublas): {type(e).__name__}: {e}")
+        _retime(engine, rows, prompts, args, "decode_ms_cublas", "cublas", "cuBLAS-only projections", name, log)
 
     hf_rows = []
     if want_hf:

@@ -39,6 +39,7 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import paged_attention
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
+from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
 
@@ -61,9 +62,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
                      N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -120,9 +119,7 @@ def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                      S: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     # One program per token, all its query and key heads as rows h = 0..H+KVH-1 (query
     # heads first, as in the fused QKV output). Every `.to(<model dtype>).to(tl.float32)`
     # is one rounding to the model dtype, where the reference's bf16 torch ops round.
@@ -228,9 +225,7 @@ def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q, k, v
 def _silu_mul_kernel(x_ptr, out_ptr, stride_xs, stride_x, stride_o,
                      N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N

@@ -41,6 +41,7 @@ import triton.language as tl
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.attention import AttentionMetadata
 from megatron_tlt.rollout.host import int64_tensor, to_device
+from megatron_tlt.rollout.triton_pdl import pdl_enter
 
 
 def _interpreter_compat() -> None:
@@ -89,9 +90,7 @@ def _paged_attention_kernel(
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         SPLIT: tl.constexpr, MODE: tl.constexpr, USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -176,9 +175,7 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
                     stride_ot, stride_oh, num_splits,
                     S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ml = t * stride_pmt + h * stride_pmh

@@ -45,6 +45,7 @@ import triton.language as tl
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.linear_plans import CUBLAS, LinearConfig, PlanCache, PlanFile  # noqa: F401 (re-exported)
+from megatron_tlt.rollout.triton_pdl import pdl_enter
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -110,9 +111,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # rollout/pdl.py: wait for the previous grid, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
