@@ -4,7 +4,11 @@ the time the host spends blocked in device-to-host reads (`Tensor.cpu`, `.tolist
 `.item`), on a random-weight model of a benchmark shape, plain decoding and EAGLE
 (random one-layer drafter, chain depth 4, deferred drafts where the decoder takes them),
 and EAGLE with the draft-ahead (`eagle-ahead`: SpecDecoder.draft_ahead; `ahead_adopted`:
-draft-aheads queued and adopted over the three runs of that mode).
+draft-aheads queued and adopted over the three runs of that mode; `deferred_steps`: steps
+verified on drafts left on the device, same runs). `--modes` adds `eagle-defer` and
+`eagle-defer-ahead`: the same with deferred drafts at every batch size (by default the
+decoder defers up to DEFER_MAX_BATCH sequences only, so at batch 32 `eagle-ahead` is
+plain `eagle`).
 
     python tools/host_timeline.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
 
@@ -70,6 +74,7 @@ WRAPPED = [
     "torch.cuda.graphs:CUDAGraph.replay",
 ]
 READS = ("cpu", "tolist", "item")
+MODES = ("off", "eagle", "eagle-ahead", "eagle-defer", "eagle-defer-ahead")
 
 
 class Timeline:
@@ -181,6 +186,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--json", default=None)
+    p.add_argument("--modes", default="off,eagle,eagle-ahead",
+                   help="comma list of off, eagle, eagle-ahead, eagle-defer, eagle-defer-ahead "
+                        "(-defer: drafts verified on the device at every batch size, "
+                        "SpecDecoder.defer_max_batch unbounded; the others keep the decoder's "
+                        "limit, DEFER_MAX_BATCH or MEGATRON_TLT_SPEC_DEFER)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (MEGATRON_TLT_HOST_THREADS for the engine, "
                         "which otherwise sets one on a GPU)")
@@ -192,17 +202,25 @@ def main() -> None:
     from profile_generate import random_spec_setup  # tools/ is the script's directory
 
     sizes = [int(x) for x in a.batch_sizes.split(",")]
+    modes = a.modes.split(",")
+    bad = sorted(set(modes) - set(MODES))
+    if bad:
+        p.error(f"unknown --modes {bad}; choose from {list(MODES)}")
     engine, decoder, prompts = random_spec_setup(a.shape, max(sizes), a.prompt_len, a.new)
     dev = engine.device
+    default_defer = decoder.defer_max_batch
     tl = Timeline()
     report = {"shape": a.shape, "temperature": a.temperature, "device": str(dev),
               "torch_threads": torch.get_num_threads(), "results": []}
     for b in sizes:
-        for mode, dec in (("off", None), ("eagle", decoder), ("eagle-ahead", decoder)):
+        for mode in modes:
+            dec = None if mode == "off" else decoder
             engine.spec_decoder = dec
-            if dec is not None:  # eagle-ahead: SpecDecoder's draft-ahead (MEGATRON_TLT_SPEC_AHEAD)
-                dec.draft_ahead = mode == "eagle-ahead"
+            if dec is not None:  # -ahead: SpecDecoder's draft-ahead (MEGATRON_TLT_SPEC_AHEAD)
+                dec.draft_ahead = mode.endswith("-ahead")
+                dec.defer_max_batch = 1 << 30 if "-defer" in mode else default_defer
                 n_ahead, n_adopted = dec.num_ahead, dec.num_adopted
+                n_deferred = dec.num_deferred
             engine.generate(_requests(f"warm-{mode}-{b}", prompts[:b], a.temperature, a.new))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -226,7 +244,7 @@ def main() -> None:
                    "wall_ms_per_step": 1e3 * wall / steps,
                    "blocked_in_reads_ms_per_step": 1e3 * tl.blocked / steps,
                    "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
-                   "deferred_steps": getattr(dec, "num_deferred", None),
+                   "deferred_steps": None if dec is None else dec.num_deferred - n_deferred,
                    "ahead_adopted": None if dec is None else [dec.num_ahead - n_ahead, dec.num_adopted - n_adopted],
                    "gc_collections": list(tl.gc_n),
                    "gc_ms_per_step": 1e3 * sum(tl.gc_s) / steps,
