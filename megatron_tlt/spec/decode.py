@@ -41,8 +41,8 @@ Lossless and reproducible:
 Verification fast path: megatron_tlt.spec.verify_math (`VerifyMath`), taken when it
 covers the step; other steps take the general path (`_verify_general`).
 
-Deferred drafts (`_deferred`, up to DEFER_MAX_BATCH sequences; MEGATRON_TLT_SPEC_DEFER=0
-turns them off, =N sets the batch limit): when the drafter can
+Deferred drafts (`_deferred`, up to DEFER_MAX_BATCH sequences, i.e. wherever the fast
+path verifies; MEGATRON_TLT_SPEC_DEFER=0 turns them off, =N sets the batch limit): when the drafter can
 leave a step's drafts on the device (EAGLE chains on the static-buffer path,
 `Drafter.launch`), every chain is drafted to full depth and the fast path covers the step,
 the verification is prepared on the host with placeholder trees of the chains' shape
@@ -91,16 +91,20 @@ from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
 from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder, parse_depth_schedule  # noqa: F401 (re-exported)
 from megatron_tlt.spec.verify import nvtx_range, verify_tree_greedy, verify_tree_rejection
-from megatron_tlt.spec.verify_math import GRAPHS_ENV, VerifyMath, canonical_device
+from megatron_tlt.spec.verify_math import GRAPHS_ENV, MATH_MAX_BATCH, VerifyMath, canonical_device
 
 logger = logging.getLogger(__name__)
 
 DEFER_ENV = "MEGATRON_TLT_SPEC_DEFER"
 AHEAD_ENV = "MEGATRON_TLT_SPEC_AHEAD"
-DEFER_MAX_BATCH = 16
-"""Deferred drafts by default up to this batch: on the H200 (1.5B target, depth-4 chains,
-benchmarks/results/gpu_2026-12-03_session9) a step took 2-9% less wall than reading the
-drafts back at batch 1, 4 and 16 and ~8% more at batch 32, in each of two runs."""
+DEFER_MAX_BATCH = MATH_MAX_BATCH
+"""Deferred drafts by default at every batch the verification fast path takes (larger
+batches cannot defer). Session 9 (benchmarks/results/gpu_2026-12-03_session9, before the
+draft-ahead) measured reading the drafts back ~8% faster at batch 32 and set the limit to
+16, which also kept the draft-ahead (it needs a deferred step) off at batch 32; session 16
+(gpu_2026-12-04_session16, tools/host_timeline.py, random 1.5B-shaped weights, depth-4
+chains, one process): batch 32 deferred with the draft-ahead 5.21 ms per step, deferred
+without it 5.58, read back 6.14; batch 16 4.01 / 4.30 / 4.51."""
 
 
 class Drafter:
