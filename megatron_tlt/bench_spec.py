@@ -52,7 +52,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "for a side-by-side comparison), eagle-ahead / eagle-noahead (EAGLE with / "
                         "without the draft-ahead, which queues each step's chain before the host "
                         "reads the previous verification; plain eagle follows "
-                        "MEGATRON_TLT_SPEC_AHEAD, default on); NAME@D: chain depth D "
+                        "MEGATRON_TLT_SPEC_AHEAD, default on), eagle-vahead (the draft-ahead "
+                        "and the verify-ahead, which also queues the next verify forward; plain "
+                        "eagle follows MEGATRON_TLT_SPEC_VERIFY_AHEAD, default off); NAME@D: chain depth D "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -119,8 +121,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     names = (args.drafters or ("eagle" if args.drafter else "ngram")).split(",")
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
-        raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead and/or "
-                       f"eagle-noahead, "
+        raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead, "
+                       f"eagle-noahead and/or eagle-vahead, "
                        f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
@@ -133,7 +135,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
 def _mode(name: str) -> tuple[str, int | None] | None:
     """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
     kind, _, depth = name.partition("@")
-    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead"):
+    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead", "eagle-vahead"):
         return None
     if not depth:
         return kind, None
@@ -151,7 +153,8 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
 
 
 # SpecDecoder's step counts among _counters: reported per run, not as events
-_STEP_COUNTS = ("deferred_steps", "ahead_steps", "adopted_steps")
+_STEP_COUNTS = ("deferred_steps", "ahead_steps", "adopted_steps", "verify_ahead_steps",
+                "verify_adopted_steps")
 
 
 def _counters(engine, decoder) -> dict[str, int]:
@@ -167,6 +170,8 @@ def _counters(engine, decoder) -> dict[str, int]:
         out["deferred_steps"] = decoder.num_deferred
         out["ahead_steps"] = decoder.num_ahead
         out["adopted_steps"] = decoder.num_adopted
+        out["verify_ahead_steps"] = decoder.num_verify_ahead
+        out["verify_adopted_steps"] = decoder.num_verify_adopted
         m = decoder._math
         if m is not None:
             out["verify_math_captures"] = m.num_captures
@@ -339,8 +344,9 @@ def main(args: argparse.Namespace) -> int:
                                              policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
-        if kind in ("eagle-ahead", "eagle-noahead"):  # (plain eagle follows MEGATRON_TLT_SPEC_AHEAD)
-            dec.draft_ahead = kind == "eagle-ahead"  # the next chain queued before the verification is read
+        if kind in ("eagle-ahead", "eagle-noahead", "eagle-vahead"):  # (plain eagle follows the environment)
+            dec.draft_ahead = kind != "eagle-noahead"  # the next chain queued before the verification is read
+            dec.verify_ahead = kind == "eagle-vahead"  # and the next verify forward after it
     for dec in decoders.values():
         kv = getattr(dec.drafter, "kv", None)
         if kv is not None:

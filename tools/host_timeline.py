@@ -6,9 +6,10 @@ the time the host spends blocked in device-to-host reads (`Tensor.cpu`, `.tolist
 and EAGLE with the draft-ahead (`eagle-ahead`: SpecDecoder.draft_ahead; `ahead_adopted`:
 draft-aheads queued and adopted over the three runs of that mode; `deferred_steps`: steps
 verified on drafts left on the device, same runs). `--modes` adds `eagle-defer` and
-`eagle-defer-ahead`: the same with deferred drafts at every batch size (by default the
-decoder defers up to DEFER_MAX_BATCH sequences only, so at batch 32 `eagle-ahead` is
-plain `eagle`).
+`eagle-defer-ahead`: the same with deferred drafts at every batch size (the decoder's
+limit, DEFER_MAX_BATCH, was 16 before session 16: at batch 32 `eagle-ahead` was then plain
+`eagle`), and `eagle-defer-vahead`: that with the verify-ahead (SpecDecoder.verify_ahead;
+`verify_ahead_adopted`: queued and used by the next step).
 
     python tools/host_timeline.py --shape 1.5b --batch-sizes 1,32 [--json FILE]
 
@@ -71,10 +72,12 @@ WRAPPED = [
     "megatron_tlt.spec.verify_math:VerifyMath._load",
     "megatron_tlt.rollout.engine:RolloutEngine.verify_chains_output",
     "megatron_tlt.rollout.cuda_graphs:DecodeRunner.verify_rows",
+    "megatron_tlt.rollout.cuda_graphs:DecodeRunner.verify_ahead",
+    "megatron_tlt.rollout.engine:RolloutEngine.adopt_verify_ahead",
     "torch.cuda.graphs:CUDAGraph.replay",
 ]
 READS = ("cpu", "tolist", "item")
-MODES = ("off", "eagle", "eagle-ahead", "eagle-defer", "eagle-defer-ahead")
+MODES = ("off", "eagle", "eagle-ahead", "eagle-defer", "eagle-defer-ahead", "eagle-defer-vahead")
 
 
 class Timeline:
@@ -187,10 +190,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=96)
     p.add_argument("--json", default=None)
     p.add_argument("--modes", default="off,eagle,eagle-ahead",
-                   help="comma list of off, eagle, eagle-ahead, eagle-defer, eagle-defer-ahead "
-                        "(-defer: drafts verified on the device at every batch size, "
+                   help="comma list of off, eagle, eagle-ahead, eagle-defer, eagle-defer-ahead, "
+                        "eagle-defer-vahead (-defer: drafts verified on the device at every batch size, "
                         "SpecDecoder.defer_max_batch unbounded; the others keep the decoder's "
-                        "limit, DEFER_MAX_BATCH or MEGATRON_TLT_SPEC_DEFER)")
+                        "limit, DEFER_MAX_BATCH or MEGATRON_TLT_SPEC_DEFER; -vahead: the "
+                        "draft-ahead and the verify-ahead)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op CPU threads (MEGATRON_TLT_HOST_THREADS for the engine, "
                         "which otherwise sets one on a GPU)")
@@ -217,7 +221,9 @@ def main() -> None:
             dec = None if mode == "off" else decoder
             engine.spec_decoder = dec
             if dec is not None:  # -ahead: SpecDecoder's draft-ahead (MEGATRON_TLT_SPEC_AHEAD)
-                dec.draft_ahead = mode.endswith("-ahead")
+                dec.draft_ahead = mode.endswith("ahead")  # -vahead: the verify-ahead too
+                dec.verify_ahead = mode.endswith("-vahead")
+                n_vahead, n_vadopted = dec.num_verify_ahead, dec.num_verify_adopted
                 dec.defer_max_batch = 1 << 30 if "-defer" in mode else default_defer
                 n_ahead, n_adopted = dec.num_ahead, dec.num_adopted
                 n_deferred = dec.num_deferred
@@ -246,6 +252,8 @@ def main() -> None:
                    "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
                    "deferred_steps": None if dec is None else dec.num_deferred - n_deferred,
                    "ahead_adopted": None if dec is None else [dec.num_ahead - n_ahead, dec.num_adopted - n_adopted],
+                   "verify_ahead_adopted": None if dec is None else [dec.num_verify_ahead - n_vahead,
+                                                                     dec.num_verify_adopted - n_vadopted],
                    "gc_collections": list(tl.gc_n),
                    "gc_ms_per_step": 1e3 * sum(tl.gc_s) / steps,
                    "functions": {k: {"calls_per_step": round(tl.calls[k] / steps, 2),

@@ -163,6 +163,13 @@ class DecodeRunner:
         self.num_verify_replays = 0
         """Verify forwards served from a graph."""
         self._vrows_warned: set[tuple[int, int]] = set()  # (bucket, Q) over MAX_VERIFY_GRAPH_ROWS
+        self.static_verify = False
+        """Without graphs (use_graphs=False), still verify through the static inputs of
+        `verify_rows` (the forward then runs eagerly at the padded shape), as a graph
+        engine does: for tests of that path and of `verify_ahead` on CPU."""
+        self._last_verify: tuple | None = None  # (bucket, Q, sequence ids) of the last verify_rows
+        self.num_verify_ahead = 0
+        """Verify forwards queued by `verify_ahead`."""
         self.sample_graphs = os.environ.get("MEGATRON_TLT_SAMPLE_GRAPHS", "1") != "0"
         """Sampled decode steps take `sample_fast` (graphs with use_graphs, else eager);
         False: the engine's generic path. MEGATRON_TLT_SAMPLE_GRAPHS=0 sets it False."""
@@ -317,7 +324,7 @@ class DecodeRunner:
     def verify_graph_bucket(self, bsz: int, q: int) -> int | None:
         """The bucket whose verify graph serves `bsz` sequences of Q query rows, or None
         (no graphs, or beyond the largest bucket / MAX_VERIFY_GRAPH_ROWS: eager)."""
-        if not self.use_graphs or bsz > self.max_batch:
+        if not (self.use_graphs or self.static_verify) or bsz > self.max_batch:
             return None
         bucket = self.bucket_for(bsz)
         if bucket * q <= MAX_VERIFY_GRAPH_ROWS:
@@ -357,7 +364,7 @@ class DecodeRunner:
         self._drop_if_kv_moved()
         st = self._verify_stage(bucket, q)
         v = st["views"]
-        if (bucket, q) not in self._vgraphs:
+        if self.use_graphs and (bucket, q) not in self._vgraphs:
             self._capture_verify(bucket, q, v)
             st["mask_rows"] = -1  # the capture left padding in the device mask
         if self._vcopy_done is not None:
@@ -385,14 +392,101 @@ class DecodeRunner:
                 raise ValueError(f"verify_rows: draft_ids {tuple(draft_ids.shape)} on {draft_ids.device}, "
                                  f"expected {(bsz, q - 1)} on {v['ids'].device}")
             v["ids"].view(bucket, q)[:bsz, 1:] = draft_ids
-        graph, hidden = self._vgraphs[(bucket, q)]
-        graph.replay()
-        self.num_verify_replays += 1
+        self._last_verify = (bucket, q, [s.seq_id for s in seqs])
+        return self._verify_run(bucket, q, n, return_hidden)
+
+    def _verify_run(self, bucket: int, q: int, n: int, return_hidden: bool) -> ForwardOutput:
+        """Replay the verify graph of (bucket, Q) on its static inputs (eagerly without
+        graphs: `static_verify`); the first n rows' outputs."""
+        v = self._vstage[(bucket, q)]["views"]
+        if self.use_graphs:
+            graph, hidden = self._vgraphs[(bucket, q)]
+            graph.replay()
+            self.num_verify_replays += 1
+        else:
+            hidden = {}
+            self._verify_forward(bucket, q, v, hidden)
         logits = v["logits"][:n]
         if not return_hidden:
             return ForwardOutput(logits=logits)
         return ForwardOutput(logits=logits, hidden_final=hidden["final"][:n],
                              hidden_pre_norm=hidden["pre_norm"][:n])
+
+    @staticmethod
+    def _next_roots(roots: torch.Tensor, accept_length: torch.Tensor) -> torch.Tensor:
+        """Each chain's next root position: past its root and accepted drafts (committed),
+        where its bonus token goes."""
+        return roots + accept_length + 1
+
+    @torch.no_grad()
+    def verify_ahead(self, seqs, q: int,
+                     accept_length: torch.Tensor,  # [>= B] int64 on the device
+                     output_tokens: torch.Tensor,  # [>= B, >= Q] int64 on the device
+                     draft_ids: torch.Tensor,  # [B, Q - 1] int64 on the device
+                     *, return_hidden: bool = False) -> ForwardOutput | None:
+        """The next chain step's verify forward, queued before the host has read this
+        step's verification (SpecDecoder's verify-ahead): what `verify_rows` of the same
+        sequences at the same Q will be once each sequence has committed its root and
+        accepted drafts (accept_length[b] + 1 entries) and appended them and the bonus
+        token, its inputs built on the device from the last verify's static inputs: the
+        new root position = the last root's + accept_length + 1, its token the bonus
+        output_tokens[b, accept_length[b]], then draft_ids; slots from the block tables
+        on the device, context lengths root + Q; the chain mask and the padding rows stay
+        as the last verify left them. Same inputs in the same buffers as verify_rows, so
+        the same forward. The last verify must be this runner's verify_rows (or
+        verify_ahead) of these sequences at this Q with the chain mask (else None), and
+        every sequence's table is grown here to the worst case (every draft accepted:
+        num_computed + 2Q entries; the rows that changed are sent to the device); None,
+        nothing queued and nothing grown, when the pool would keep fewer than a block per
+        sequence. The host's sequence
+        state is left alone: the caller sets pending_verify when it adopts the result.
+        The outputs are the static buffers verify_rows returns (valid until the next
+        verify)."""
+        bsz = len(seqs)
+        bucket = self.verify_graph_bucket(bsz, q)
+        if bucket is None or self._last_verify != (bucket, q, [s.seq_id for s in seqs]):
+            return None
+        st = self._vstage[(bucket, q)]
+        if st["mask_rows"] != bsz or st["mask_key"] != "chain":
+            return None
+        cache, w = self.cache, self.width
+        # Grown early (by at most a block per sequence beyond what the next step will
+        # need) only while the pool keeps a block per sequence to spare: near exhaustion
+        # the early blocks could change who the scheduler preempts (the tokens would not
+        # change on a batch-invariant engine, but a bf16 recompute rounds differently).
+        need = sum(cache.extra_blocks_needed(s.seq_id, s.num_computed + 2 * q) for s in seqs)
+        if (need and need + bsz > cache.num_free_blocks) or \
+                any(cache.blocks_for(s.num_computed + 2 * q) > w for s in seqs):
+            return None
+        rows, changed = st["tables"], False
+        if self._vcopy_done is not None:
+            self._vcopy_done.synchronize()  # the pinned staging buffer may still be read
+        h, o = st["np"], st["off"]
+        for i, s in enumerate(seqs):
+            cache.ensure(s.seq_id, s.num_computed + 2 * q)
+            table = cache.block_table(s.seq_id)
+            if rows[i] != table:
+                h[o["bt"] + i * w:o["bt"] + i * w + len(table)] = table
+                rows[i], changed = table, True
+        v = st["views"]
+        if changed:  # the staging's table rows (verify_rows sends the whole buffer later)
+            v["bt"].copy_(st["host"][o["bt"]:o["bt"] + bucket * w].view(bucket, w), non_blocking=True)
+            if self.device.type == "cuda":
+                if self._vcopy_done is None:
+                    self._vcopy_done = torch.cuda.Event()
+                self._vcopy_done.record()
+        bs = cache.block_size
+        acc = accept_length[:bsz]
+        pos, ids, slot = (v[k].view(bucket, q) for k in ("pos", "ids", "slot"))
+        root = self._next_roots(pos[:bsz, 0], acc)  # [B], before pos is overwritten
+        new_pos = root[:, None] + torch.arange(q, device=root.device)
+        slot[:bsz] = v["bt"][:bsz].gather(1, new_pos // bs) * bs + new_pos % bs
+        pos[:bsz] = new_pos
+        v["ctx"][:bsz] = root + q
+        ids[:bsz, 0] = output_tokens[:bsz].gather(1, acc[:, None])[:, 0]
+        ids[:bsz, 1:] = draft_ids
+        self.num_verify_ahead += 1
+        return self._verify_run(bucket, q, bsz * q, return_hidden)
 
     def _verify_host_rows(self, st: dict, seqs, q: int, tokens: list[int], positions: list[int]) -> None:
         """Write one verify's inputs into the staging buffer's host side (numpy views of
@@ -597,6 +691,7 @@ class DecodeRunner:
         self._served = None
         self._vgraphs.clear()
         self._vstage.clear()
+        self._last_verify = None
         self._vlogits = None
         self._vcopy_done = None
         self._pool = None

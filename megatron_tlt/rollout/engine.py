@@ -507,6 +507,32 @@ class RolloutEngine:
             raise ValueError(f"verify_forward: position {max(positions)} >= max_model_len")
         return self._verify(seqs, q, tokens, positions, mask, "chain", draft_ids, return_hidden)
 
+    def verify_chains_ahead(self, seqs: list[Sequence], depth: int, draft_ids: torch.Tensor,
+                            accept_length: torch.Tensor, output_tokens: torch.Tensor,
+                            *, return_hidden: bool = False) -> ForwardOutput | None:
+        """The next step's verify_chains_output of `seqs` at `depth`, queued before the host
+        has read this step's verification (accept_length [B] and output_tokens [B, Q] on
+        the device; DecodeRunner.verify_ahead): None where no verify graph path serves
+        it, the last verify was not these sequences' chains at this depth, or the KV pool
+        cannot hold every sequence's worst case. Hand the result to adopt_verify_ahead
+        once the host has committed and appended this step's tokens and the next step
+        is these sequences' chains at this depth with these drafts; else drop it (its KV
+        writes lie past every sequence's committed entries)."""
+        if not self._fused_verify():
+            return None
+        return self.decode_runner.verify_ahead(seqs, depth + 1, accept_length, output_tokens, draft_ids,
+                                               return_hidden=return_hidden)
+
+    def adopt_verify_ahead(self, seqs: list[Sequence], depth: int, out: ForwardOutput) -> ForwardOutput:
+        """verify_chains_output's result for a verify_chains_ahead the caller found to be
+        this step's verify: its Q entries per sequence stay uncommitted until commit_kv."""
+        q = depth + 1
+        for seq in seqs:
+            if seq.num_computed + q > self.cache.num_slots(seq.seq_id):
+                raise RuntimeError(f"sequence {seq.seq_id}: adopting a verify-ahead beyond its KV blocks")
+            seq.pending_verify = q
+        return out
+
     def _verify(self, seqs, q: int, tokens: list[int], positions: list[int], tree_mask: torch.Tensor,
                 mask_key: str | None, draft_ids: torch.Tensor | None, return_hidden: bool) -> ForwardOutput:
         """The verify forward of both entries: KV room for Q more entries per sequence,

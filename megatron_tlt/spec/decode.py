@@ -68,6 +68,18 @@ it is exactly what `launch` would start then (same sequences, states, draws, set
 row failed); otherwise it is dropped and the step launches anew, so tokens, logprobs and
 noise draws are those of the steps without it.
 
+Verify-ahead (`SpecDecoder(verify_ahead=True)`, MEGATRON_TLT_SPEC_VERIFY_AHEAD=1; off by
+default until timed on the trained target): with the draft-ahead queued, the next step's
+verify forward is queued right after it (engine.verify_chains_ahead ->
+DecodeRunner.verify_ahead: the verify graph's inputs built on the device from this step's
+verification outputs, the KV tables grown on the host to the worst case first), so the
+device runs the next draft and verify while the host reads this step's results and does
+its bookkeeping. The accepted nodes' hidden states are gathered before either is queued
+(the verify-ahead overwrites the verify forward's outputs). The next step uses it only
+with the draft-ahead it followed (adopted: the same sequences, states and draws), else it
+is dropped (its KV writes lie past every committed entry); the same inputs in the same
+buffers, so the same numbers as launching the forward after the bookkeeping.
+
 Drafter interface (`Drafter`): `feature` names the target hidden states it needs
 ("final" or None); the decoder passes the rows of every newly committed position through
 `observe`, in order, plain steps included, so a drafter can catch up lazily when SD turns
@@ -97,6 +109,7 @@ logger = logging.getLogger(__name__)
 
 DEFER_ENV = "MEGATRON_TLT_SPEC_DEFER"
 AHEAD_ENV = "MEGATRON_TLT_SPEC_AHEAD"
+VERIFY_AHEAD_ENV = "MEGATRON_TLT_SPEC_VERIFY_AHEAD"
 DEFER_MAX_BATCH = MATH_MAX_BATCH
 """Deferred drafts by default at every batch the verification fast path takes (larger
 batches cannot defer). Session 9 (benchmarks/results/gpu_2026-12-03_session9, before the
@@ -133,7 +146,9 @@ class Drafter:
 
     def launch_ahead(self, launched, verify_out, gidx: torch.Tensor, hidden: torch.Tensor):
         """Optional: queue the next step's proposal for `launched`'s sequences from the
-        verification still on the device (SpecDecoder's draft-ahead), or None."""
+        verification still on the device (SpecDecoder's draft-ahead), or None. When the
+        returned object has device_tokens() ([B, D] drafts on the device, as the adopted
+        launch's), SpecDecoder may queue the next verify forward after it too."""
         return None
 
     def adopt(self, ahead, seqs: list, strategy: Strategy, caps: list[int]):
@@ -260,6 +275,14 @@ def depth_policy(depth: str | int, *, topk: int = 1, num_verify_tokens: int | No
                                 for b, d in parse_depth_schedule(depth)], threshold)
 
 
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off environment setting: "1" on, "0" off, unset the default; else an error."""
+    raw = os.environ.get(name, "1" if default else "0")
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 class SpecDecoder:
     """Speculative decoding for a RolloutEngine: `engine.spec_decoder = SpecDecoder(...)`."""
 
@@ -268,7 +291,8 @@ class SpecDecoder:
                  policy: Callable[[int], Strategy | None] | None = None,
                  metrics: SpecMetrics | None = None, verify_impl: str | None = None,
                  fast_verify: bool = True, verify_graphs: bool | None = None,
-                 defer_drafts: bool | int | None = None, draft_ahead: bool | None = None):
+                 defer_drafts: bool | int | None = None, draft_ahead: bool | None = None,
+                 verify_ahead: bool | None = None):
         """fast_verify: the static-buffer verification path (`VerifyMath`) for the steps it
         covers (False: every step takes the general path). verify_graphs: replay its math
         from CUDA graphs on a CUDA engine; None: unless MEGATRON_TLT_VERIFY_MATH_GRAPHS=0.
@@ -277,7 +301,9 @@ class SpecDecoder:
         `_deferred`): True at any batch size, an int N up to N sequences, False never;
         None: MEGATRON_TLT_SPEC_DEFER (0 never, N up to N), default up to
         DEFER_MAX_BATCH. draft_ahead: queue the next step's drafting before reading the
-        verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (0 off, default 1)."""
+        verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (0 off, default 1).
+        verify_ahead: with the draft-ahead, also queue the next step's verify forward
+        (module docstring); None: MEGATRON_TLT_SPEC_VERIFY_AHEAD (1 on, default 0)."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -296,13 +322,14 @@ class SpecDecoder:
             defer_drafts = 1 << 30 if defer_drafts else 0
         self.defer_max_batch = int(defer_drafts)
         """Largest batch whose steps verify drafts left on the device (0: never)."""
-        if draft_ahead is None:
-            raw = os.environ.get(AHEAD_ENV, "1")
-            if raw not in ("0", "1"):
-                raise ConfigError(f"{AHEAD_ENV} must be 0 or 1, got {raw!r}")
-            draft_ahead = raw == "1"
-        self.draft_ahead = bool(draft_ahead)
+        self.draft_ahead = _env_switch(AHEAD_ENV, True) if draft_ahead is None else bool(draft_ahead)
+        self.verify_ahead = _env_switch(VERIFY_AHEAD_ENV, False) if verify_ahead is None else bool(verify_ahead)
         self._ahead = None  # the draft-ahead queued by the last step, if any
+        self._vahead = None  # (draft-ahead, sequence ids, its verify forward) queued after it
+        self.num_verify_ahead = 0
+        """Verify-aheads queued."""
+        self.num_verify_adopted = 0
+        """Verify-aheads the next step used as its verify forward (the rest were dropped)."""
         self.num_ahead = 0
         """Draft-aheads queued."""
         self.num_adopted = 0
@@ -352,13 +379,13 @@ class SpecDecoder:
 
     def finish(self, seq) -> None:
         if self._ahead is not None and seq.seq_id in self._ahead.seq_ids:
-            self._ahead = None
+            self._ahead = self._vahead = None
         self._preemptions.pop(seq.seq_id, None)
         self.drafter.finish(seq)
         finalize_request_stats(seq.spec_stats)
 
     def reset(self) -> None:
-        self._ahead = None
+        self._ahead = self._vahead = None
         self._preemptions.clear()
         self.drafter.reset()
 
@@ -410,6 +437,7 @@ class SpecDecoder:
                 cand.append(s)
                 caps.append(cap)
         spec, fallbacks, launched = [], 0, None
+        vahead, self._vahead = self._vahead, None  # the last step's verify-ahead: this step's or none
         if cand:
             with self._phase("draft", engine.device), nvtx_range("spec/draft", engine.device):
                 self.drafter.bind(engine)
@@ -418,12 +446,14 @@ class SpecDecoder:
                     if ahead is not None:
                         launched = self.drafter.adopt(ahead, cand, strategy, caps)
                         self.num_adopted += launched is not None
+                    if launched is None or vahead is None or vahead[0] is not ahead:
+                        vahead = None  # queued after a draft-ahead this step did not adopt
                     if launched is None:
                         launched = self.drafter.launch(cand, strategy, caps, seqs)
                 if launched is not None:
                     spec = self._deferred(engine, launched)
                     if spec is None:  # not this step: read the drafts back now
-                        trees, launched, spec = launched.collect(), None, []
+                        trees, launched, spec, vahead = launched.collect(), None, [], None
                 else:
                     trees = self.drafter.propose(cand, strategy, caps, seqs)
             if launched is None:
@@ -444,7 +474,7 @@ class SpecDecoder:
         if spec:
             ahead = (self.draft_ahead and launched is not None and not plain
                      and self._ahead_fits(engine, spec, launched.depth))
-            verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched, ahead)
+            verified, drafted, accepted, emitted, failed = self._verify(engine, spec, launched, ahead, vahead)
             if failed:  # the drafter failed on the device (deferred step): decode them plainly
                 for s in failed:
                     self._fallback(s, "non-finite drafter logits")
@@ -528,16 +558,28 @@ class SpecDecoder:
                 return False
         return True
 
-    def _launch_ahead(self, launched, verify_out, gidx, hidden) -> None:
+    def _launch_ahead(self, engine, launched, verify_out, gidx, hidden) -> None:
         """VerifyMath.run's callback: queue the next step's drafting (Drafter.launch_ahead)
-        before the host reads this verification."""
+        and, with verify_ahead, the next step's verify forward after it
+        (engine.verify_chains_ahead), before the host reads this verification."""
         launched.keep_ints()  # settle may read this step's drafts after the next replay
-        self._ahead = self.drafter.launch_ahead(launched, verify_out, gidx, hidden)
-        self.num_ahead += self._ahead is not None
+        self._ahead = ahead = self.drafter.launch_ahead(launched, verify_out, gidx, hidden)
+        self.num_ahead += ahead is not None
+        if ahead is None or not self.verify_ahead or not hasattr(ahead, "device_tokens"):
+            return
+        out = engine.verify_chains_ahead(launched.seqs, launched.depth, ahead.device_tokens(),
+                                         verify_out.accept_length, verify_out.output_tokens,
+                                         return_hidden=True)
+        if out is not None:
+            self._vahead = (ahead, [s.seq_id for s in launched.seqs], out)
+            self.num_verify_ahead += 1
 
-    def _verify(self, engine, spec, launched=None, ahead: bool = False) -> tuple[int, int, int, int, list]:
+    def _verify(self, engine, spec, launched=None, ahead: bool = False,
+                vahead=None) -> tuple[int, int, int, int, list]:
         """Verify, commit and append: (sequences verified, drafted, accepted, emitted,
-        sequences whose deferred drafts failed: not committed, for a plain step)."""
+        sequences whose deferred drafts failed: not committed, for a plain step).
+        vahead: the last step's verify-ahead, this step's verify forward when `launched`
+        is the draft-ahead it was queued after (adopted) for the same sequences."""
         seqs = [s for s, _ in spec]
         trees = [t for _, t in spec]
         vocab = engine.arch.vocab_size
@@ -553,7 +595,11 @@ class SpecDecoder:
             # (the verification reads the draft distributions in the drafter's buffer)
             batch = None
             with self._phase("verify_forward", engine.device):
-                out = engine.verify_chains_output(seqs, launched.depth, drafts[0], return_hidden=True)
+                if vahead is not None and vahead[1] == [s.seq_id for s in seqs]:
+                    out = engine.adopt_verify_ahead(seqs, launched.depth, vahead[2])
+                    self.num_verify_adopted += 1
+                else:
+                    out = engine.verify_chains_output(seqs, launched.depth, drafts[0], return_hidden=True)
             bsz, q = len(seqs), launched.depth + 1
         else:
             root_pos = [len(s.token_ids) - 1 for s in seqs]
@@ -563,26 +609,36 @@ class SpecDecoder:
                 out = engine.verify_forward_output(seqs, batch.query_tokens, batch.positions,
                                                    batch.tree_mask, return_hidden=True)
             bsz, q = batch.parents.shape
+        feature = self.drafter.feature
+        kinds = {k for k in [feature] + [s.request.return_hidden_states for s in seqs] if k is not None}
+        hid = {"final": out.hidden_final, "pre_norm": out.hidden_pre_norm}
+        picked = {}  # the accepted nodes' hidden states, gathered once for every sequence
+
+        def ahead_cb(vo, g):
+            # The gather is queued before the draft-ahead and the verify-ahead: the latter
+            # overwrites the verify forward's static outputs. g [bucket, Q]: sequence b's
+            # accepted rows start at b * Q.
+            picked.update({k: hid[k].view(bsz * q, -1)[g[:bsz].reshape(-1)] for k in kinds})
+            self._launch_ahead(engine, launched, vo, g, out.hidden_final)
+
         with self._phase("verify", engine.device), nvtx_range("spec/verify", engine.device):
             if plan is not None:
                 host_rows, gidx = math.run(plan, seqs, trees, out.logits, drafts=drafts,
                                            draft_probs=None if launched is None else launched.out.get("probs"),
-                                           ahead=None if not ahead else
-                                           (lambda vo, g: self._launch_ahead(launched, vo, g, out.hidden_final)))
+                                           ahead=ahead_cb if ahead else None)
                 width = q
             else:
                 host_rows = self._verify_general(seqs, batch, out.logits.view(bsz, q, vocab))
                 width, gidx = batch.max_depth + 1, None
         failed = launched.settle() if launched is not None else [False] * bsz
         if any(failed):
-            self._ahead = None  # a failed row decodes plainly: not what the draft-ahead assumed
+            # a failed row decodes plainly: not what the draft-ahead assumed
+            self._ahead = self._vahead = None
         paths = []  # accepted nodes (host rows are floats: one int() per value read)
         for row in host_rows:
             paths.append(list(map(int, row[:int(row[width]) + 1])))
-        feature = self.drafter.feature
-        kinds = {k for k in [feature] + [s.request.return_hidden_states for s in seqs] if k is not None}
-        picked, offs = {}, [b * width for b in range(bsz)]
-        if kinds:  # the accepted nodes' hidden states, gathered once for every sequence
+        offs = [b * width for b in range(bsz)]
+        if kinds and not picked:  # (the draft-ahead's callback gathered them already)
             if gidx is not None:  # [B, width] on the device: sequence b's rows start at b * width
                 index = gidx.reshape(-1)
             else:
@@ -591,7 +647,6 @@ class SpecDecoder:
                     offs[b] = len(rows_of)
                     rows_of.extend(b * q + j for j in path)
                 index = torch.tensor(rows_of, device=out.logits.device)
-            hid = {"final": out.hidden_final, "pre_norm": out.hidden_pre_norm}
             picked = {k: hid[k].view(bsz * q, -1)[index] for k in kinds}
         verified = drafted = accepted = emitted = 0
         for b, s in enumerate(seqs):

@@ -440,6 +440,11 @@ class ChainAhead:
     out: dict[str, torch.Tensor]
     bad_host: torch.Tensor
 
+    def device_tokens(self) -> torch.Tensor:
+        """[B, D] int64 drafted target ids on the device, failed rows 0 (what the adopted
+        ChainLaunch.device_tokens returns; SpecDecoder's verify-ahead reads them)."""
+        return self.out["tokens"][:len(self.seq_ids)]
+
 
 @dataclasses.dataclass
 class ChainLaunch:

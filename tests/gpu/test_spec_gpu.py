@@ -181,8 +181,9 @@ def test_verify_math_graphs_with_a_ban_equal_eager(mode):
 
 def _spec_engine(model_dir, dtype, decoder_kw, **engine_kw):
     arch, weights = load_hf(model_dir, dtype=dtype, device="cuda")
-    engine = RolloutEngine(arch, weights, device="cuda", dtype=dtype, max_num_seqs=8, num_blocks=64,
-                           block_size=4, **engine_kw)
+    opts = dict(max_num_seqs=8, num_blocks=64, block_size=4)
+    opts.update(engine_kw)
+    engine = RolloutEngine(arch, weights, device="cuda", dtype=dtype, **opts)
     engine.spec_decoder = SpecDecoder(DRAFTERS["eagle"](engine), Strategy(depth=4), verify_impl="kernel",
                                       **decoder_kw)
     return engine
@@ -228,7 +229,7 @@ def test_greedy_spec_with_verify_math_graphs_equals_plain(model_dir, strategy):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-def _on_off_on_gpu(model_dir, key: str, temperature: float, nan: bool, new: int):
+def _on_off_on_gpu(model_dir, key: str, temperature: float, nan: bool, new: int, **engine_kw):
     """((results, decoder) with SpecDecoder(key=True), the same with key=False): bf16
     Triton engine with every graph on (decode, verify, verify math, drafter chains), 4
     prompts x 2, optionally a non-finite drafter; asserts the two runs' tokens, logprobs,
@@ -236,7 +237,8 @@ def _on_off_on_gpu(model_dir, key: str, temperature: float, nan: bool, new: int)
     reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=new, seed=5)
     out = {}
     for on in (True, False):
-        e = _spec_engine(model_dir, torch.bfloat16, {key: on}, attention_backend="triton", cuda_graphs=True)
+        e = _spec_engine(model_dir, torch.bfloat16, {key: on}, attention_backend="triton", cuda_graphs=True,
+                         **engine_kw)
         if nan:
             with torch.no_grad():
                 e.spec_decoder.drafter.drafter.fc.weight[0, 0] = float("nan")
@@ -273,6 +275,25 @@ def test_draft_ahead_on_gpu(model_dir, temperature, nan):
     (_, d_on), (_, d_off) = _on_off_on_gpu(model_dir, "draft_ahead", temperature, nan, 48)
     assert d_on.num_ahead > 0 and d_off.num_ahead == 0
     assert (d_on.num_adopted == 0) if nan else (d_on.num_adopted > 0), (d_on.num_adopted, d_on.num_ahead)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_drafter"])
+def test_verify_ahead_on_gpu(model_dir, temperature, nan):
+    """The verify-ahead (the next verify forward replayed from its graph after the
+    draft-ahead, its inputs built on the device from the verification's outputs) gives bit
+    for bit the results of launching it after the host's bookkeeping; verify-aheads are
+    queued and used (none with a non-finite drafter, whose draft-aheads are dropped). A
+    pool with room for every sequence: the verify-ahead grows KV tables a step early, and
+    where that moved a preemption, the bf16 re-prefill would round differently (exactness
+    under preemption is tested on CPU, tests/unit/spec/test_verify_ahead_interp.py)."""
+    (_, d_on), (_, d_off) = _on_off_on_gpu(model_dir, "verify_ahead", temperature, nan, 48, num_blocks=160)
+    assert d_off.num_verify_ahead == 0
+    if nan:
+        assert d_on.num_verify_adopted == 0
+    else:
+        assert d_on.num_verify_ahead > 0 and d_on.num_verify_adopted > 0, \
+            (d_on.num_verify_adopted, d_on.num_verify_ahead, d_on.num_adopted)
 
 
 def test_depth_schedule_on_gpu(model_dir):
