@@ -398,6 +398,11 @@ def main(args: argparse.Namespace) -> int:
                                       "per prompt set unless --continuous (all sets in one call, at most "
                                       "the batch size running)",
                       "speedup": "SD tokens_per_s / off tokens_per_s at the same batch size, same engine",
+                      "noise": "every mode's run of one batch size and repeat draws from the same "
+                               "per-request noise streams (prompt ids name batch, repeat and prompt, not "
+                               "the mode): modes that differ only in how a step is scheduled (eagle, "
+                               "-ahead, -noahead, -vahead, -readback at one depth) emit the same tokens, "
+                               "so their rows differ in step cost alone",
                       "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
                                    "around each phase of the SD step (draft, plain, verify_forward, verify); "
@@ -418,8 +423,8 @@ def main(args: argparse.Namespace) -> int:
         for r in range(opts.repeats):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for mode in order:
-                runs[mode].append(_run(engine, decoders.get(mode), sets(b), opts,
-                                       f"b{b}-r{r}-{mode}", clock))
+                # one tag for every mode: the same noise streams (see "noise" above)
+                runs[mode].append(_run(engine, decoders.get(mode), sets(b), opts, f"b{b}-r{r}", clock))
         off_tps = statistics.median(x["tokens_per_s"] for x in runs["off"])
         off_len = statistics.mean(x["mean_len"] for x in runs["off"])
         for mode, xs in runs.items():
