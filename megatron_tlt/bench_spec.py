@@ -53,8 +53,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "without the draft-ahead, which queues each step's chain before the host "
                         "reads the previous verification; plain eagle follows "
                         "MEGATRON_TLT_SPEC_AHEAD, default on), eagle-vahead (the draft-ahead "
-                        "and the verify-ahead, which also queues the next verify forward; plain "
-                        "eagle follows MEGATRON_TLT_SPEC_VERIFY_AHEAD, default off); NAME@D: chain depth D "
+                        "and the verify-ahead, which also queues the next verify forward; "
+                        "eagle-ahead has the draft-ahead alone; plain eagle follows "
+                        "MEGATRON_TLT_SPEC_VERIFY_AHEAD, default on); NAME@D: chain depth D "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)

@@ -68,8 +68,11 @@ it is exactly what `launch` would start then (same sequences, states, draws, set
 row failed); otherwise it is dropped and the step launches anew, so tokens, logprobs and
 noise draws are those of the steps without it.
 
-Verify-ahead (`SpecDecoder(verify_ahead=True)`, MEGATRON_TLT_SPEC_VERIFY_AHEAD=1; off by
-default until timed on the trained target): with the draft-ahead queued, the next step's
+Verify-ahead (on by default since session 16 timed it on the trained target,
+benchmarks/results/gpu_2026-12-04_session16: 1.37x -> 1.49x at batch 16, the batch-32 step
+4.34 -> 4.11 and 4.77 -> 4.27 ms, batch 1 and 4 unchanged; MEGATRON_TLT_SPEC_VERIFY_AHEAD=0
+or SpecDecoder(verify_ahead=False) turns it off; GPU engines only, a no-op elsewhere):
+with the draft-ahead queued, the next step's
 verify forward is queued right after it (engine.verify_chains_ahead ->
 DecodeRunner.verify_ahead: the verify graph's inputs built on the device from this step's
 verification outputs, the KV tables grown on the host to the worst case first), so the
@@ -303,7 +306,7 @@ class SpecDecoder:
         DEFER_MAX_BATCH. draft_ahead: queue the next step's drafting before reading the
         verification (module docstring); None: MEGATRON_TLT_SPEC_AHEAD (0 off, default 1).
         verify_ahead: with the draft-ahead, also queue the next step's verify forward
-        (module docstring); None: MEGATRON_TLT_SPEC_VERIFY_AHEAD (1 on, default 0)."""
+        (module docstring); None: MEGATRON_TLT_SPEC_VERIFY_AHEAD (0 off, default 1)."""
         if drafter.feature not in (None, "final"):
             raise ConfigError(f"drafter {drafter.name!r} wants target features {drafter.feature!r}; "
                               f"the engine provides 'final' only")
@@ -323,7 +326,7 @@ class SpecDecoder:
         self.defer_max_batch = int(defer_drafts)
         """Largest batch whose steps verify drafts left on the device (0: never)."""
         self.draft_ahead = _env_switch(AHEAD_ENV, True) if draft_ahead is None else bool(draft_ahead)
-        self.verify_ahead = _env_switch(VERIFY_AHEAD_ENV, False) if verify_ahead is None else bool(verify_ahead)
+        self.verify_ahead = _env_switch(VERIFY_AHEAD_ENV, True) if verify_ahead is None else bool(verify_ahead)
         self._ahead = None  # the draft-ahead queued by the last step, if any
         self._vahead = None  # (draft-ahead, sequence ids, its verify forward) queued after it
         self.num_verify_ahead = 0

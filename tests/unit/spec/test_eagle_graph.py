@@ -319,14 +319,14 @@ def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
     monkeypatch.setenv("MEGATRON_TLT_SPEC_AHEAD", "yes")
     with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_AHEAD"):
         SpecDecoder(P(random_eagle(e)))
-    # The verify-ahead: off unless MEGATRON_TLT_SPEC_VERIFY_AHEAD=1 (not yet timed on the
-    # trained target); an explicit argument wins; a bad value is an error.
+    # The verify-ahead: on unless MEGATRON_TLT_SPEC_VERIFY_AHEAD=0 (default on since
+    # session 16's H200 bench); an explicit argument wins; a bad value is an error.
     monkeypatch.delenv("MEGATRON_TLT_SPEC_AHEAD", raising=False)
     monkeypatch.delenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", raising=False)
-    assert SpecDecoder(P(random_eagle(e))).verify_ahead is False
-    monkeypatch.setenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "1")
     assert SpecDecoder(P(random_eagle(e))).verify_ahead is True
-    assert SpecDecoder(P(random_eagle(e)), verify_ahead=False).verify_ahead is False
+    monkeypatch.setenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "0")
+    assert SpecDecoder(P(random_eagle(e))).verify_ahead is False
+    assert SpecDecoder(P(random_eagle(e)), verify_ahead=True).verify_ahead is True
     monkeypatch.setenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "on")
     with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_VERIFY_AHEAD"):
         SpecDecoder(P(random_eagle(e)))
