@@ -36,17 +36,17 @@ import yaml
 
 from megatron_tlt.errors import ConfigError
 
-DEFAULT_SPEC_DEPTH = "1:7,32:4"
+DEFAULT_SPEC_DEPTH = "1:6,32:4"
 """Default chain depth by running batch size (rollout.spec_depth, generate/bench spec
---spec-depth): 7 while one sequence runs (the long tail), else 4. Measured on one H200
-(benchmarks/results/gpu_2026-12-04_session14, 1.5B target trained 120 steps, T=0.9): at
-batch 1 depth 6-10 accepted 4.01 tokens per step on average against 3.35 at depth 4 (1132
-against 1099 tokens/s, within the noise of 4-response runs); at batch 4, 16 and 32 depth 4
-beat 5 and 6. Depth 4 keeps batch 32 within the verify graphs' 256 rows (32 x 5); a
-depth-8 chain there (288 rows) verified eagerly, 0.61x. Session 15 (32 sequences per run,
-a weaker drafter: top-1 0.706 against 0.743) saw no gain from depth 7 at batch 1: 2.21x
-against 2.27x / 2.28x at depth 4 / 5 in the same process. Kept at 7 until a drafter
-trained on its own chain levels (train_drafter --unroll) is timed against it."""
+--spec-depth): 6 while one sequence runs (the long tail), else 4. Measured on one H200
+(1.5B target trained 120 steps, T=0.9, 32 sequences per run). Session 16
+(benchmarks/results/gpu_2026-12-04_session16, drafter top-1 0.760, draft- and
+verify-ahead): batch 1 depth 6 2.50x against 2.36x at depth 7 and 2.44x at depth 5 in one
+process (4.23 / 4.19 / 3.97 tokens per step, 3.18 / 3.34 / 3.07 ms per engine step), depth
+5 2.50x against 2.45x at depth 7 in another; at batch 4, 16 and 32 depth 4 beat 5 (and 6
+at 32) as in session 14, where depth 6-10 accepted 4.01 tokens per step at batch 1 against
+3.35 at depth 4. Depth 4 keeps batch 32 within the verify graphs' 256 rows (32 x 5); a
+depth-8 chain there (288 rows) verified eagerly, 0.61x."""
 
 # --------------------------------------------------------------------------- YAML
 
@@ -392,16 +392,18 @@ class RolloutConfig(ConfigSection):
     """Draft tokens per speculative step (tree depth); or by running batch size,
     "BATCH:DEPTH,..." (e.g. "1:6,8:4,32:3": 6 while one sequence runs, 4 up to 8, else 3:
     deep chains for the long tail, shallow ones for the full batch). Default
-    DEFAULT_SPEC_DEPTH: 7 at batch 1, else 4."""
+    DEFAULT_SPEC_DEPTH: 6 at batch 1, else 4."""
     spec_topk: int = 1
     """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
     spec_num_verify: int | None = None
     """Tree nodes verified per step (the root counts); null: every drafted node."""
-    spec_threshold: int | None = 16
+    spec_threshold: int | None = 32
     """Speculate only while the running batch is <= this (the long tail); null: always.
-    Default 16: on one H200 (1.5B target trained 120 steps, T=0.9, session 15) EAGLE gave
-    1.33x at 16 running sequences and 0.99-1.01x at 32, and past 51 sequences a depth-4
-    verify outgrows the verify graphs' 256 rows and runs eagerly."""
+    Default 32: on one H200 (1.5B target trained 120 steps, T=0.9) EAGLE gave 1.25-1.32x at
+    32 running sequences and 1.49x at 16 in session 16 (deferred drafts, draft- and
+    verify-ahead; session 15's 0.99-1.01x at 32 had set 16); larger batches are not
+    measured, and past 51 sequences a depth-4 verify outgrows the verify graphs' 256 rows
+    and runs eagerly."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -51,7 +51,7 @@ case "$STAGE" in
       if [ "$STAGE" = drafters ]; then
         SWEEP_DRAFTERS=$d SWEEP_DEPTHS=none timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       elif [ -f "$WORK/drafter_$d/config.json" ]; then
-        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:7,32:4} SWEEP_TAG=${SPEC_TAG:-_s16} \
+        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:6,32:4} SWEEP_TAG=${SPEC_TAG:-_s16} \
         SWEEP_MODES=${SPEC_MODES:-eagle,eagle@4,eagle@5} SWEEP_BATCHES=${SPEC_BATCHES:-1,16,32} \
             timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       fi

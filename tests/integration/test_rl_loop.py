@@ -328,7 +328,7 @@ def test_temperature_one_spec_rewards_match_off(setup, peaked, tmp_path):
               f"rollout.n_samples={STAT_SAMPLES}", f"train.global_batch_size={STAT_PROMPTS_PER_STEP * STAT_SAMPLES}",
               "train.micro_batch_size=32", "rl.num_kv_blocks=1024", "optim.lr=1e-9", "optim.min_lr=0",
               f"train.steps={STAT_STEPS}", "train.save_interval=0",
-              "rollout.spec_threshold=null"]  # SD at every batch size (the default: <= 16 running)
+              "rollout.spec_threshold=null"]  # SD at every batch size (the default: <= 32 running)
     runs = {"off": ["rollout.spec=off", "train.seed=11"],
             "ngram": _spec_args("ngram", drafter) + ["train.seed=12"],
             "eagle": _spec_args("eagle", drafter) + ["train.seed=13"],

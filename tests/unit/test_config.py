@@ -331,20 +331,20 @@ def test_spec_depth_schedule(tmp_path):
     one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram",
                                                                             "rollout.spec_depth=4"])), None)
     assert {one.choose(b).depth for b in (1, 8, 16)} == {4}
-    # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 7 while one
+    # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 6 while one
     # sequence runs, else 4 (above the last bound too); with rollout.spec_threshold's
-    # default, SD only while at most 16 sequences run.
-    assert load_config(None, []).rollout.spec_threshold == 16
+    # default, SD only while at most 32 sequences run.
+    assert load_config(None, []).rollout.spec_threshold == 32
     dflt = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram"])), None)
-    assert [dflt.choose(b).depth for b in (1, 2, 16)] == [7, 4, 4]
-    assert dflt.choose(17) is None and dflt.choose(256) is None
+    assert [dflt.choose(b).depth for b in (1, 2, 16, 32)] == [6, 4, 4, 4]
+    assert dflt.choose(33) is None and dflt.choose(256) is None
     always = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(
         None, ["rollout.spec=ngram", "rollout.spec_threshold=null"])), None)
-    assert [always.choose(b).depth for b in (1, 2, 32, 33, 256)] == [7, 4, 4, 4, 4]
+    assert [always.choose(b).depth for b in (1, 2, 32, 33, 256)] == [6, 4, 4, 4, 4]
     from megatron_tlt.bench_spec import parse_args as bench_spec_args
     from megatron_tlt.config import DEFAULT_SPEC_DEPTH
     from megatron_tlt.rollout.cli import add_generate_args
-    assert load_config(None, []).rollout.spec_depth == DEFAULT_SPEC_DEPTH == "1:7,32:4"
+    assert load_config(None, []).rollout.spec_depth == DEFAULT_SPEC_DEPTH == "1:6,32:4"
     assert bench_spec_args(["--model", "m"]).spec_depth == DEFAULT_SPEC_DEPTH
     gen = argparse.ArgumentParser()
     add_generate_args(gen)
