@@ -17,7 +17,9 @@ Per batch size and mode: the wall ms per engine step of a run without the wrappe
 (`unwrapped_ms_per_step`: the number to compare), then, over a wrapped run (the wrappers
 add their own cost), per wrapped function the calls per step and the inclusive host ms
 per step. `blocked_in_reads` is host time waiting
-for the device; wall minus it is the host's own work, which the device waits for whenever
+for the device in reads, `blocked_in_event_waits` in torch.cuda.Event.synchronize (the
+draft-ahead's step waits for its results' copy there, not in a read; the runners wait
+for their pinned staging buffers there); wall minus both is the host's own work, which the device waits for whenever
 it is not overlapped with queued kernels (after a blocking read nothing is queued, so
 the work between that read and the next launch is on the critical path:
 `after_sync_until_next_launch`). Random weights: acceptance is meaningless; the step's
@@ -85,8 +87,9 @@ class Timeline:
         self.incl = defaultdict(float)
         self.calls = defaultdict(int)
         self.blocked = 0.0
+        self.event_wait = 0.0  # host time in torch.cuda.Event.synchronize
         self.last_read_end = None
-        self.after_sync = 0.0  # host time from a blocking read's end to the next graph launch
+        self.after_sync = 0.0  # host time from a blocking read's (or wait's) end to the next graph launch
         self.undo = []
         self.gc_s = [0.0, 0.0, 0.0]  # seconds in garbage collection, per generation
         self.gc_n = [0, 0, 0]
@@ -95,7 +98,7 @@ class Timeline:
     def reset(self):
         self.incl.clear()
         self.calls.clear()
-        self.blocked = self.after_sync = 0.0
+        self.blocked = self.after_sync = self.event_wait = 0.0
         self.last_read_end = None
         self.gc_s = [0.0, 0.0, 0.0]
         self.gc_n = [0, 0, 0]
@@ -133,6 +136,10 @@ class Timeline:
             orig = getattr(torch.Tensor, meth)
             setattr(torch.Tensor, meth, self._wrap_read(orig))
             self.undo.append((torch.Tensor, meth, orig))
+        if torch.cuda.is_available():
+            orig = torch.cuda.Event.synchronize
+            setattr(torch.cuda.Event, "synchronize", self._wrap_event(orig))
+            self.undo.append((torch.cuda.Event, "synchronize", orig))
 
     def uninstall(self):
         if self._gc in gc.callbacks:
@@ -171,6 +178,21 @@ class Timeline:
                     tl.blocked += t1 - t0
                     tl.last_read_end = t1
                     tl.calls["device_reads"] += 1
+        return w
+
+
+    def _wrap_event(self, orig):
+        tl = self
+
+        def w(self_):
+            t0 = time.perf_counter()
+            try:
+                return orig(self_)
+            finally:
+                t1 = time.perf_counter()
+                tl.event_wait += t1 - t0
+                tl.last_read_end = t1  # nothing of the host's is queued behind a finished wait either
+                tl.calls["event_waits"] += 1
         return w
 
 
@@ -249,6 +271,7 @@ def main() -> None:
                    "unwrapped_ms_per_step": 1e3 * plain_wall / plain_steps,
                    "wall_ms_per_step": 1e3 * wall / steps,
                    "blocked_in_reads_ms_per_step": 1e3 * tl.blocked / steps,
+                   "blocked_in_event_waits_ms_per_step": 1e3 * tl.event_wait / steps,
                    "after_sync_until_next_launch_ms_per_step": 1e3 * tl.after_sync / steps,
                    "deferred_steps": None if dec is None else dec.num_deferred - n_deferred,
                    "ahead_adopted": None if dec is None else [dec.num_ahead - n_ahead, dec.num_adopted - n_adopted],
@@ -260,10 +283,12 @@ def main() -> None:
                                      "ms_per_step": round(1e3 * v / steps, 4)}
                                  for k, v in sorted(tl.incl.items(), key=lambda kv: -kv[1])}}
             row["functions"]["device_reads"] = {"calls_per_step": round(tl.calls["device_reads"] / steps, 2)}
+            row["functions"]["event_waits"] = {"calls_per_step": round(tl.calls["event_waits"] / steps, 2)}
             report["results"].append(row)
             print(f"B={b} {mode}: {row['unwrapped_ms_per_step']:.3f} ms/step unwrapped; wrapped "
                   f"{row['wall_ms_per_step']:.3f} ms/step over {steps} steps, "
                   f"blocked in reads {row['blocked_in_reads_ms_per_step']:.3f}, "
+                  f"in event waits {row['blocked_in_event_waits_ms_per_step']:.3f}, "
                   f"read -> next graph launch {row['after_sync_until_next_launch_ms_per_step']:.3f}, "
                   f"gc {row['gc_ms_per_step']:.3f} ({tl.gc_n} collections per generation)")
             for k, v in row["functions"].items():
