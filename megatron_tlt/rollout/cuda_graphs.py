@@ -438,10 +438,9 @@ class DecodeRunner:
         every sequence's table is grown here to the worst case (every draft accepted:
         num_computed + 2Q entries; the rows that changed are sent to the device); None,
         nothing queued and nothing grown, when the pool would keep fewer than a block per
-        sequence. The host's sequence
-        state is left alone: the caller sets pending_verify when it adopts the result.
-        The outputs are the static buffers verify_rows returns (valid until the next
-        verify)."""
+        sequence. The host's sequence state is left alone: the caller sets pending_verify
+        when it adopts the result. The outputs are the static buffers verify_rows returns
+        (valid until the next verify)."""
         bsz = len(seqs)
         bucket = self.verify_graph_bucket(bsz, q)
         if bucket is None or self._last_verify != (bucket, q, [s.seq_id for s in seqs]):
