@@ -19,8 +19,8 @@ add their own cost), per wrapped function the calls per step and the inclusive h
 per step. `blocked_in_reads` is host time waiting
 for the device in reads, `blocked_in_event_waits` in torch.cuda.Event.synchronize (the
 draft-ahead's step waits for its results' copy there, not in a read; the runners wait
-for their pinned staging buffers there); wall minus both is the host's own work, which the device waits for whenever
-it is not overlapped with queued kernels (after a blocking read nothing is queued, so
+for their pinned staging buffers there); wall minus both is the host's own work, which
+the device waits for whenever it is not overlapped with queued kernels (after a blocking read nothing is queued, so
 the work between that read and the next launch is on the critical path:
 `after_sync_until_next_launch`). Random weights: acceptance is meaningless; the step's
 shape (full-depth chains) is what is measured.
@@ -134,11 +134,12 @@ class Timeline:
             self.undo.append((cls, meth, orig))
         for meth in READS:
             orig = getattr(torch.Tensor, meth)
-            setattr(torch.Tensor, meth, self._wrap_read(orig))
+            setattr(torch.Tensor, meth, self._wrap_wait(orig, "blocked", "device_reads",
+                                                        lambda t: t.device.type == "cuda"))
             self.undo.append((torch.Tensor, meth, orig))
         if torch.cuda.is_available():
             orig = torch.cuda.Event.synchronize
-            setattr(torch.cuda.Event, "synchronize", self._wrap_event(orig))
+            setattr(torch.cuda.Event, "synchronize", self._wrap_wait(orig, "event_wait", "event_waits"))
             self.undo.append((torch.cuda.Event, "synchronize", orig))
 
     def uninstall(self):
@@ -164,35 +165,23 @@ class Timeline:
                 tl.calls[name] += 1
         return w
 
-    def _wrap_read(self, orig):
+    def _wrap_wait(self, orig, total: str, calls: str, on_device=lambda self_: True):
+        """orig wrapped to add the host's time in it to self.<total> (calls counted under
+        `calls`) where on_device(self_) holds; its end starts the read -> next launch
+        interval (nothing of the host's is queued behind a finished wait)."""
         tl = self
 
         def w(self_, *a, **k):
-            dev = self_.device.type
+            counted = on_device(self_)
             t0 = time.perf_counter()
             try:
                 return orig(self_, *a, **k)
             finally:
-                if dev == "cuda":
+                if counted:
                     t1 = time.perf_counter()
-                    tl.blocked += t1 - t0
+                    setattr(tl, total, getattr(tl, total) + t1 - t0)
                     tl.last_read_end = t1
-                    tl.calls["device_reads"] += 1
-        return w
-
-
-    def _wrap_event(self, orig):
-        tl = self
-
-        def w(self_):
-            t0 = time.perf_counter()
-            try:
-                return orig(self_)
-            finally:
-                t1 = time.perf_counter()
-                tl.event_wait += t1 - t0
-                tl.last_read_end = t1  # nothing of the host's is queued behind a finished wait either
-                tl.calls["event_waits"] += 1
+                    tl.calls[calls] += 1
         return w
 
 

@@ -453,18 +453,21 @@ class DecodeRunner:
         # need) only while the pool keeps a block per sequence to spare: near exhaustion
         # the early blocks could change who the scheduler preempts (the tokens would not
         # change on a batch-invariant engine, but a bf16 recompute rounds differently).
-        need = sum(cache.extra_blocks_needed(s.seq_id, s.num_computed + 2 * q) for s in seqs)
-        if (need and need + bsz > cache.num_free_blocks) or \
-                any(cache.blocks_for(s.num_computed + 2 * q) > w for s in seqs):
+        need = 0
+        for s in seqs:
+            if cache.blocks_for(s.num_computed + 2 * q) > w:
+                return None
+            need += cache.extra_blocks_needed(s.seq_id, s.num_computed + 2 * q)
+        if need and need + bsz > cache.num_free_blocks:
             return None
         rows, changed = st["tables"], False
-        if self._vcopy_done is not None:
-            self._vcopy_done.synchronize()  # the pinned staging buffer may still be read
         h, o = st["np"], st["off"]
         for i, s in enumerate(seqs):
             cache.ensure(s.seq_id, s.num_computed + 2 * q)
             table = cache.block_table(s.seq_id)
             if rows[i] != table:
+                if not changed and self._vcopy_done is not None:
+                    self._vcopy_done.synchronize()  # the pinned staging buffer may still be read
                 h[o["bt"] + i * w:o["bt"] + i * w + len(table)] = table
                 rows[i], changed = table, True
         v = st["views"]

@@ -307,29 +307,22 @@ def test_deferred_drafts_batch_limit(spec_models, monkeypatch):
     monkeypatch.setenv("MEGATRON_TLT_SPEC_DEFER", "yes")
     with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_DEFER"):
         SpecDecoder(P(random_eagle(e)))
-    # The draft-ahead: on unless MEGATRON_TLT_SPEC_AHEAD=0 (default on since session 14's
-    # H200 bench); an explicit argument wins; a bad value is an error.
+    # The draft-ahead and the verify-ahead: on unless MEGATRON_TLT_SPEC_AHEAD=0 /
+    # MEGATRON_TLT_SPEC_VERIFY_AHEAD=0 (defaults since sessions 14 and 16's H200 benches);
+    # an explicit argument wins; a bad value is an error.
     monkeypatch.delenv("MEGATRON_TLT_SPEC_DEFER", raising=False)
-    monkeypatch.delenv("MEGATRON_TLT_SPEC_AHEAD", raising=False)
-    assert SpecDecoder(P(random_eagle(e))).draft_ahead is True
-    assert SpecDecoder(P(random_eagle(e)), draft_ahead=False).draft_ahead is False
-    monkeypatch.setenv("MEGATRON_TLT_SPEC_AHEAD", "0")
-    assert SpecDecoder(P(random_eagle(e))).draft_ahead is False
-    assert SpecDecoder(P(random_eagle(e)), draft_ahead=True).draft_ahead is True
-    monkeypatch.setenv("MEGATRON_TLT_SPEC_AHEAD", "yes")
-    with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_AHEAD"):
-        SpecDecoder(P(random_eagle(e)))
-    # The verify-ahead: on unless MEGATRON_TLT_SPEC_VERIFY_AHEAD=0 (default on since
-    # session 16's H200 bench); an explicit argument wins; a bad value is an error.
-    monkeypatch.delenv("MEGATRON_TLT_SPEC_AHEAD", raising=False)
-    monkeypatch.delenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", raising=False)
-    assert SpecDecoder(P(random_eagle(e))).verify_ahead is True
-    monkeypatch.setenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "0")
-    assert SpecDecoder(P(random_eagle(e))).verify_ahead is False
-    assert SpecDecoder(P(random_eagle(e)), verify_ahead=True).verify_ahead is True
-    monkeypatch.setenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "on")
-    with pytest.raises(ConfigError, match="MEGATRON_TLT_SPEC_VERIFY_AHEAD"):
-        SpecDecoder(P(random_eagle(e)))
+    for env, attr in (("MEGATRON_TLT_SPEC_AHEAD", "draft_ahead"),
+                      ("MEGATRON_TLT_SPEC_VERIFY_AHEAD", "verify_ahead")):
+        monkeypatch.delenv("MEGATRON_TLT_SPEC_AHEAD", raising=False)
+        monkeypatch.delenv("MEGATRON_TLT_SPEC_VERIFY_AHEAD", raising=False)
+        assert getattr(SpecDecoder(P(random_eagle(e))), attr) is True
+        assert getattr(SpecDecoder(P(random_eagle(e)), **{attr: False}), attr) is False
+        monkeypatch.setenv(env, "0")
+        assert getattr(SpecDecoder(P(random_eagle(e))), attr) is False
+        assert getattr(SpecDecoder(P(random_eagle(e)), **{attr: True}), attr) is True
+        monkeypatch.setenv(env, "yes")
+        with pytest.raises(ConfigError, match=env):
+            SpecDecoder(P(random_eagle(e)))
 
 
 def test_draft_ahead_under_continuous_batching(spec_models):
