@@ -55,7 +55,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "MEGATRON_TLT_SPEC_AHEAD, default on), eagle-vahead (the draft-ahead "
                         "and the verify-ahead, which also queues the next verify forward; "
                         "eagle-ahead has the draft-ahead alone; plain eagle follows "
-                        "MEGATRON_TLT_SPEC_VERIFY_AHEAD, default on); NAME@D: chain depth D "
+                        "MEGATRON_TLT_SPEC_VERIFY_AHEAD, default on), eagle-torchprobs (EAGLE "
+                        "with the verification's target probabilities from torch ops instead of "
+                        "the Triton kernels, MEGATRON_TLT_FUSED_VERIFY_PROBS=0's step); NAME@D: chain depth D "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -123,7 +125,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
         raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead, "
-                       f"eagle-noahead and/or eagle-vahead, "
+                       f"eagle-noahead, eagle-vahead and/or eagle-torchprobs, "
                        f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
@@ -136,7 +138,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
 def _mode(name: str) -> tuple[str, int | None] | None:
     """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
     kind, _, depth = name.partition("@")
-    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead", "eagle-vahead"):
+    if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead", "eagle-vahead",
+                    "eagle-torchprobs"):
         return None
     if not depth:
         return kind, None
@@ -345,6 +348,8 @@ def main(args: argparse.Namespace) -> int:
                                              policies[name], arch, weights)
         if kind == "eagle-readback":
             dec.defer_max_batch = 0
+        if kind == "eagle-torchprobs":
+            dec.fused_verify_probs = False
         if kind in ("eagle-ahead", "eagle-noahead", "eagle-vahead"):  # (plain eagle follows the environment)
             dec.draft_ahead = kind != "eagle-noahead"  # the next chain queued before the verification is read
             dec.verify_ahead = kind == "eagle-vahead"  # and the next verify forward after it
@@ -403,7 +408,8 @@ def main(args: argparse.Namespace) -> int:
                                "per-request noise streams (prompt ids name batch, repeat and prompt, not "
                                "the mode): modes that differ only in how a step is scheduled (eagle, "
                                "-ahead, -noahead, -vahead, -readback at one depth) emit the same tokens, "
-                               "so their rows differ in step cost alone",
+                               "so their rows differ in step cost alone (eagle-torchprobs too, but for a "
+                               "decision its other float32 roundings may flip: rare)",
                       "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
                                    "around each phase of the SD step (draft, plain, verify_forward, verify); "

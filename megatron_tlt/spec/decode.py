@@ -315,6 +315,9 @@ class SpecDecoder:
         self.metrics = metrics or SpecMetrics()
         self.verify_impl = verify_impl
         self.fast_verify = fast_verify
+        self.fused_verify_probs: bool | None = None
+        """VerifyMath's fused_probs (None: its default, the Triton kernels on CUDA); set
+        before the first verification."""
         self.verify_graphs = os.environ.get(GRAPHS_ENV, "1") != "0" if verify_graphs is None else verify_graphs
         if defer_drafts is None:
             raw = os.environ.get(DEFER_ENV, str(DEFER_MAX_BATCH))
@@ -412,7 +415,8 @@ class SpecDecoder:
         m = self._math
         if m is None or m.device != canonical_device(engine.device) or m.vocab != engine.arch.vocab_size:
             m = self._math = VerifyMath(engine.device, engine.arch.vocab_size,
-                                        use_graphs=self.verify_graphs, impl=self.verify_impl)
+                                        use_graphs=self.verify_graphs, impl=self.verify_impl,
+                                        fused_probs=self.fused_verify_probs)
         return m
 
     def _depth_cap(self, engine, seq) -> int:

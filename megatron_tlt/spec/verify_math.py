@@ -16,7 +16,10 @@ general path (`_verify_general`). The two compute the same function: bit for bit
 (tests/unit/test_verify_fast.py); on CUDA the padded shape may change a reduction's order
 and so the last bit of a probability (as a different batch size already could), never
 the distribution. Graph replay and the eager math at the same padded shape agree bit for
-bit (tests/gpu/test_spec_gpu.py).
+bit (tests/gpu/test_spec_gpu.py). On CUDA, sampled steps without a ban take the target
+probabilities and the logprobs from two Triton kernels (spec/triton_verify_probs.py: the
+same function in other roundings, a few float32 ulps from the torch ops; off with
+MEGATRON_TLT_FUSED_VERIFY_PROBS=0).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 import torch
 
 from megatron_tlt.rollout.host import graph_capture
-from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
+from megatron_tlt.rollout.sampling import exponential_noise, has_triton, uniform_noise
 from megatron_tlt.spec import _ops
 from megatron_tlt.spec.tree import DraftTree
 from megatron_tlt.spec.verify import VerifyOutput, verify_tree_greedy, verify_tree_rejection
@@ -45,6 +48,7 @@ MATH_MAX_BAN = 16
 """Most stop ids a node may have banned (min_new_tokens) on the fast path
 (MEGATRON_TLT_VERIFY_FAST_BAN=0: steps under a ban take the general path, as before 6a92f92)."""
 GRAPHS_ENV = "MEGATRON_TLT_VERIFY_MATH_GRAPHS"
+FUSED_PROBS_ENV = "MEGATRON_TLT_FUSED_VERIFY_PROBS"
 
 # Columns of the fast path's per-row int table after the tree (parents [0, Q), draft
 # tokens [Q, 2Q)): noise stream key, draw number of the coins, draw number of the exp-noise,
@@ -123,10 +127,18 @@ class VerifyMath:
     more -1 columns.
     """
 
-    def __init__(self, device: torch.device | str, vocab: int, *, use_graphs: bool, impl: str | None = None):
+    def __init__(self, device: torch.device | str, vocab: int, *, use_graphs: bool, impl: str | None = None,
+                 fused_probs: bool | None = None):
         self.device = canonical_device(device)
         self.vocab = vocab
         self.impl = impl
+        # Sampled steps without a ban take the target probabilities and logprobs from
+        # spec/triton_verify_probs.py (None: on CUDA with Triton, unless
+        # MEGATRON_TLT_FUSED_VERIFY_PROBS=0; True forces it, e.g. under the interpreter).
+        if fused_probs is None:
+            fused_probs = (self.device.type == "cuda" and has_triton()
+                           and os.environ.get(FUSED_PROBS_ENV, "1") != "0")
+        self.fused_probs = bool(fused_probs)
         impl_name = impl or os.environ.get("MEGATRON_TLT_VERIFY_IMPL", "auto")
         # Capture needs the compiled CUDA op (the PyTorch reference loops on data: syncs).
         self.use_graphs = bool(use_graphs and self.device.type == "cuda" and impl_name != "reference"
@@ -425,7 +437,7 @@ class VerifyMath:
         if mode == "greedy":
             verify_tree_greedy(parents, tokens, banned(logits), max_depth=q - 1, out=out,
                                validate=False, impl=self.impl)
-            scaled = logits  # T = 1, and x / 1 == x exactly
+            scaled, stats = logits, None  # T = 1, and x / 1 == x exactly
         else:
             keys = col[:, _KEY]
             temp = col[:, _TEMP].view(torch.float64).float()  # as torch.tensor(float32) rounds
@@ -437,10 +449,16 @@ class VerifyMath:
             coins = uniform_noise(keys, col[:, _COIN_DRAW], q, dev)
             coins = torch.where(st["cols"] < col[:, _NODES, None], coins, 0.5)  # unused ones: 0.5
             noise = exponential_noise(keys, col[:, _NOISE_DRAW], self.vocab, dev)
-            # sampled_probs, with the quotient kept for the logprobs below (which the
-            # general path takes before the ban)
-            scaled = logits.float() / temp[:, None, None]
-            probs = _normalised_softmax(banned(scaled))
+            if self.fused_probs and not ban:
+                # triton_verify_probs: the probabilities and each row's max and log-sum,
+                # from which the logprobs below are gathered (no log_softmax pass)
+                from megatron_tlt.spec.triton_verify_probs import verify_probs
+                probs, *stats = verify_probs(logits, temp)
+            else:
+                # sampled_probs, with the quotient kept for the logprobs below (which the
+                # general path takes before the ban)
+                scaled = logits.float() / temp[:, None, None]
+                probs, stats = _normalised_softmax(banned(scaled)), None
             if mode != "sampled":
                 dp = None
             elif dp is None:
@@ -450,11 +468,15 @@ class VerifyMath:
         node = out.accept_index.clamp(min=0)
         tok = out.output_tokens.clamp(min=0)
         rows = st["rows"]
-        # The general path takes log_softmax(logits[rows, node] / T); log_softmax works row
-        # by row (its reductions depend only on the row length), so taking it over every
-        # row of the quotient and then picking [rows, node, tok] gives the same bits
-        # without a [bucket, Q, vocab] gather and a second division.
-        lp = torch.log_softmax(scaled, dim=-1)[rows, node, tok]
+        if stats is not None:  # the fused kernels' M and log Z: gather B x Q logits only
+            from megatron_tlt.spec.triton_verify_probs import token_logprobs
+            lp = token_logprobs(logits, temp, stats[0], stats[1], rows, node, tok)
+        else:
+            # The general path takes log_softmax(logits[rows, node] / T); log_softmax works
+            # row by row (its reductions depend only on the row length), so taking it over
+            # every row of the quotient and then picking [rows, node, tok] gives the same
+            # bits without a [bucket, Q, vocab] gather and a second division.
+            lp = torch.log_softmax(scaled, dim=-1)[rows, node, tok]
         plp = st["zeros"] if mode == "greedy" else probs[rows, node, tok].log().double()
         torch.cat([out.accept_index.double(), out.accept_length[:, None].double(),
                    out.output_tokens.double(), lp.double(), plp], 1, out=st["out"])

@@ -146,7 +146,7 @@ def test_bench_spec_bad_input(capsys):
                  "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
-    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead and/or eagle-vahead" in capsys.readouterr().err
+    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead, eagle-vahead and/or eagle-torchprobs" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--min-sequences", "-1"]) == 2
     assert "--min-sequences must be >= 0" in capsys.readouterr().err

@@ -512,3 +512,13 @@ def test_ban_equals_previous_ban():
         depth = batch.positions - batch.positions[:, :1]
         raw = logits.view(4, -1, vocab)
         assert torch.equal(SpecDecoder._ban(seqs, raw, depth), _old_ban(seqs, raw, depth)), n_outs
+
+
+def test_spec_decoder_passes_the_fused_probs_choice():
+    """SpecDecoder.fused_verify_probs reaches VerifyMath (bench spec's eagle-torchprobs sets
+    it False); None leaves VerifyMath's default, off on CPU."""
+    eng = types.SimpleNamespace(device=torch.device("cpu"), arch=types.SimpleNamespace(vocab_size=50))
+    for choice, want in ((None, False), (False, False), (True, True)):
+        dec = SpecDecoder(DRAFTERS["ngram"](None))
+        dec.fused_verify_probs = choice
+        assert dec.verify_math(eng).fused_probs is want, choice

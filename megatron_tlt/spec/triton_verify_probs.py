@@ -1,0 +1,153 @@
+"""The sampled verification's target probabilities in two Triton kernels (VerifyMath's
+CUDA fast path).
+
+Why: the torch ops of the sampled fast path (logits / T, softmax, the renormalising sum
+and division, and a log_softmax over every row for the reported logprobs) are five full
+passes over [bucket x Q, vocab] float32 with one thread block per row. On the H200 at
+batch 32, Q = 5 and a 151,936 vocabulary (160 rows: 97 MB per pass) they took ~0.38 ms of
+the math graph's 0.56 ms (torch.profiler, benchmarks/results/gpu_2026-12-04_session17):
+a softmax with 160 blocks cannot use the device's bandwidth. Here each row is split over
+several programs: one kernel writes each part's running max and sum of exp, a second
+combines a row's parts (every program the same way, so the same values) and writes the
+probabilities, and each row's max M and log of its sum log Z. The logprob of a token is
+then (x / T - M) - log Z, gathered for the emitted tokens only: no log_softmax pass.
+Two reads and one write of the logits in place of about ten.
+
+What it computes, per row r of sequence b (temperature T_b > 0; top-k, top-p off):
+    s = x / T_b (float32);  M = max s;  Z = sum exp(s - M)
+    probs[r, i] = exp(s_i - M) / Z
+These are the kernels' own roundings, not process_logits' bits (its softmax reduces in
+another order, then renormalises): within a few float32 ulps of it
+(tests/unit/spec/test_triton_verify_probs_interp.py, tests/gpu). Lossless all the same:
+the rejection sampler reads exactly these probabilities as the target distribution. A
+row's values depend on how many parts it is split into (`_parts`: the row count), as a
+torch reduction's already depend on the batch shape; the graph replay and the eager math
+of one shape agree bit for bit. A row with a NaN or +inf logit gets NaN probabilities (as
+softmax gives; -inf entries get 0). CPU keeps the torch ops (the exact reference path of the CPU tests).
+Kill switch: MEGATRON_TLT_FUSED_VERIFY_PROBS=0.
+
+Imported only where triton is (CUDA paths, interpreter tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+_PROGRAMS = 512
+"""Programs to aim for over all rows (a few per streaming multiprocessor of an H200)."""
+_MAX_PARTS = 64
+
+
+@triton.jit
+def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    t = tl.load(temp_ptr + (row // Q) * stride_t).to(tl.float32)
+    src = x_ptr + row * stride_x
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = part * CHUNK + off + tl.arange(0, BLOCK)
+        ok = idx < V
+        s = tl.load(src + idx, mask=ok, other=float("-inf")).to(tl.float32) / t
+        bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN, +inf (-inf is a 0)
+        m_new = tl.maximum(m, s)
+        z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
+        z = tl.where(m_new == float("-inf"), 0.0, z)  # nothing finite yet in this lane
+        m = m_new
+    mx = tl.max(m, 0)
+    zz = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - mx)), 0)
+    # Explicitly: max and where need not propagate a NaN (the hardware max drops it)
+    zz = tl.where(tl.sum(bad, 0) > 0, float("nan"), zz)
+    tl.store(pm_ptr + row * SPLIT + part, mx)
+    tl.store(pz_ptr + row * SPLIT + part, zz)
+
+
+@triton.jit
+def _probs_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, p_ptr, stride_p, m_ptr, lz_ptr,
+                  V, NPARTS, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.arange(0, SPLIT)
+    okp = parts < NPARTS
+    pm = tl.load(pm_ptr + row * SPLIT + parts, mask=okp, other=float("-inf"))
+    pz = tl.load(pz_ptr + row * SPLIT + parts, mask=okp, other=0.0)
+    mx = tl.max(pm, 0)
+    zz = tl.sum(tl.where(pm == float("-inf"), 0.0, pz * tl.exp(pm - mx)), 0)
+    zz = tl.where(tl.sum(tl.where(pz != pz, 1, 0), 0) > 0, float("nan"), zz)  # a part had a NaN
+    t = tl.load(temp_ptr + (row // Q) * stride_t).to(tl.float32)
+    src = x_ptr + row * stride_x
+    dst = p_ptr + row * stride_p
+    for off in range(0, CHUNK, BLOCK):
+        idx = part * CHUNK + off + tl.arange(0, BLOCK)
+        ok = idx < V
+        s = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32) / t
+        tl.store(dst + idx, tl.exp(s - mx) / zz, mask=ok)
+    if part == 0:
+        tl.store(m_ptr + row, mx)
+        tl.store(lz_ptr + row, tl.log(zz))
+
+
+def _parts(rows: int, v: int) -> tuple[int, int, int]:
+    """(parts per row, columns per part, SPLIT: a power of two >= parts) for `rows` rows
+    of v columns: about _PROGRAMS programs in all, parts of whole BLOCKs, none empty."""
+    want = max(1, min(_MAX_PARTS, -(-_PROGRAMS // max(rows, 1)), -(-v // _BLOCK)))
+    chunk = -(-(-(-v // want)) // _BLOCK) * _BLOCK
+    parts = -(-v // chunk)
+    return parts, chunk, triton.next_power_of_2(parts)
+
+
+def verify_probs(logits: torch.Tensor,  # [B, Q, V] float32, rows contiguous (any row stride)
+                 temperature: torch.Tensor,  # [B] float32 (any stride), > 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs [B, Q, V] float32, M [B, Q] float32, log Z [B, Q] float32) of
+    softmax(logits / T) (module doc): two launches, no host sync (capturable)."""
+    if logits.dim() != 3 or logits.dtype != torch.float32 or logits.stride(-1) != 1 \
+            or logits.stride(0) != logits.shape[1] * logits.stride(1):
+        raise ValueError(f"verify_probs: logits must be [B, Q, V] float32 with rows of stride "
+                         f"(Q * S, S, 1), got {logits.dtype}{tuple(logits.shape)} strides {logits.stride()}")
+    b, q, v = logits.shape
+    if temperature.shape != (b,) or temperature.dtype != torch.float32:
+        raise ValueError(f"verify_probs: temperature must be [{b}] float32, got "
+                         f"{temperature.dtype}{tuple(temperature.shape)}")
+    rows, dev = b * q, logits.device
+    probs = torch.empty(b, q, v, dtype=torch.float32, device=dev)
+    shift = torch.empty(b, q, dtype=torch.float32, device=dev)
+    logz = torch.empty(b, q, dtype=torch.float32, device=dev)
+    if rows == 0 or v == 0:
+        return probs, shift, logz
+    parts, chunk, split = _parts(rows, v)
+    pm = torch.empty(rows, split, dtype=torch.float32, device=dev)
+    pz = torch.empty(rows, split, dtype=torch.float32, device=dev)
+    stride = logits.stride(1)
+    _part_stats_kernel[(rows, parts)](logits, stride, temperature, temperature.stride(0), q, pm, pz, v,
+                                      CHUNK=chunk, BLOCK=_BLOCK, SPLIT=split, num_warps=4)
+    _probs_kernel[(rows, parts)](logits, stride, temperature, temperature.stride(0), q, pm, pz, probs, v, shift, logz,
+                                 v, parts, CHUNK=chunk, BLOCK=_BLOCK, SPLIT=split, num_warps=4)
+    return probs, shift, logz
+
+
+def verify_probs_reference(logits: torch.Tensor, temperature: torch.Tensor,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' math in torch ops (the tests' reference): (probs, M, log Z)."""
+    s = logits.float() / temperature[:, None, None]
+    m = s.amax(-1)
+    e = torch.exp(s - m[..., None])
+    z = e.sum(-1)
+    return e / z[..., None], m, torch.log(z)
+
+
+def token_logprobs(logits: torch.Tensor,  # [B, Q, V] float32
+                   temperature: torch.Tensor,  # [B] float32
+                   shift: torch.Tensor, logz: torch.Tensor,  # [B, Q] from verify_probs
+                   rows: torch.Tensor, node: torch.Tensor, tok: torch.Tensor,  # [B, W] int64
+                   ) -> torch.Tensor:  # [B, W] float32
+    """log_softmax(logits[b, node] / T)[tok] from the kernels' row statistics: gathers
+    B x W logits, no pass over the vocabulary."""
+    x = logits[rows, node, tok] / temperature[:, None]
+    return (x - shift[rows, node]) - logz[rows, node]
