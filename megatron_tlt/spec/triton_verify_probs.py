@@ -14,7 +14,7 @@ then (x / T - M) - log Z, gathered for the emitted tokens only: no log_softmax p
 Two reads and one write of the logits in place of about ten.
 
 What it computes, per row r of sequence b (temperature T_b > 0; top-k, top-p off):
-    s = x / T_b (float32);  M = max s;  Z = sum exp(s - M)
+    s = x / T_b (float32, IEEE-rounded: torch's quotient);  M = max s;  Z = sum exp(s - M)
     probs[r, i] = exp(s_i - M) / Z
 These are the kernels' own roundings, not process_logits' bits (its softmax reduces in
 another order, then renormalises): within a few float32 ulps of it
@@ -54,7 +54,7 @@ def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V
     for off in range(0, CHUNK, BLOCK):
         idx = part * CHUNK + off + tl.arange(0, BLOCK)
         ok = idx < V
-        s = tl.load(src + idx, mask=ok, other=float("-inf")).to(tl.float32) / t
+        s = tl.math.div_rn(tl.load(src + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
         bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN, +inf (-inf is a 0)
         m_new = tl.maximum(m, s)
         z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
@@ -86,8 +86,8 @@ def _probs_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, p_ptr,
     for off in range(0, CHUNK, BLOCK):
         idx = part * CHUNK + off + tl.arange(0, BLOCK)
         ok = idx < V
-        s = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32) / t
-        tl.store(dst + idx, tl.exp(s - mx) / zz, mask=ok)
+        s = tl.math.div_rn(tl.load(src + idx, mask=ok, other=0.0).to(tl.float32), t)
+        tl.store(dst + idx, tl.math.div_rn(tl.exp(s - mx), zz), mask=ok)
     if part == 0:
         tl.store(m_ptr + row, mx)
         tl.store(lz_ptr + row, tl.log(zz))
