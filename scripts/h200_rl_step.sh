@@ -22,6 +22,8 @@
 # 120-step SFT takes ~510 s on one H200: give it a call of its own, with nothing else on the
 # GPU (next to the GPU tests it ran past a 583 s limit), or start it with setsid in the
 # background (STOP_AFTER=target) and run the GPU tests beside it (559 s in session 7).
+# SFT_SAVE_INTERVAL (default 0: a checkpoint at the end only) also checkpoints every N steps,
+# so a run cut by a time limit resumes there when the script is run again (resume: auto).
 # BENCH_SPEC_ARGS adds bench spec flags (e.g. "--min-new-tokens 256" for equal lengths);
 # RL_STEPS (default 1) runs more GRPO steps per spec: a first step's rollout also pays
 # one-time work (the kernel planner's timings, graph captures; the metrics do not separate
@@ -38,6 +40,7 @@ if [ ! -f "$OUT/sft/hf/config.json" ]; then
   echo "[h200_rl_step] 1/3 target: SFT $SFT_STEPS steps"
   $PY -m megatron_tlt sft --config examples/sft_bench_1p5b.yaml train.out_dir="$OUT/sft" \
       train.steps="$SFT_STEPS" optim.lr_warmup_steps=5 sft.eval_interval=0 sft.progress=false \
+      train.save_interval="${SFT_SAVE_INTERVAL:-0}" \
       2>&1 | tee "$OUT/sft_train.log" | tail -n 15
   echo "[h200_rl_step] target done at $(( $(date +%s) - t0 )) s"
   keep "$OUT/sft_train.log"  # the whole log: the loss every log_interval steps

@@ -10,7 +10,9 @@
 #   setup     megatron-core from .whl into /tmp/site, pytest from .whl/opt (every stage
 #             runs it; idempotent, a few seconds)
 #   target    the 120-step benchmark SFT alone (scripts/h200_rl_step.sh STOP_AFTER=target,
-#             ~490 s): the trained target for every SD measurement
+#             ~490-570 s): the trained target for every SD measurement; it checkpoints at
+#             step 100, so when the call's limit cuts it, run the stage again at once (the
+#             next call resumes there: ~100 s)
 #   drafters  DRAFTERS (default "t09x512u3 t09x512") trained on the target; a cut run
 #             resumes at the next call (train_drafter keeps its state)
 #   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,16,32),
@@ -42,7 +44,11 @@ mkdir -p "$WORK"
 case "$STAGE" in
   setup) ;;
   target)
-    STOP_AFTER=target timeout "$(left)" bash scripts/h200_rl_step.sh "$WORK" 120 "$RESULTS"
+    # A checkpoint at step 100 (~15 s to write): the 120 steps took 527 s of a 565 s budget
+    # in session 16 and were cut at 565 s on the next machine (session 17), losing them all;
+    # cut now, the stage run again resumes at step 100.
+    SFT_SAVE_INTERVAL=${SFT_SAVE_INTERVAL:-100} STOP_AFTER=target timeout "$(left)" \
+        bash scripts/h200_rl_step.sh "$WORK" 120 "$RESULTS"
     echo "[runbook] target: rc=$? at $(( $(date +%s) - t0 )) s" ;;
   drafters|spec)
     [ -f "$WORK/sft/hf/config.json" ] || { echo "[runbook] no target in $WORK (run the target stage first)"; exit 0; }

@@ -63,7 +63,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft tokens along the longest path; or by running batch size, "
                         "BATCH:DEPTH,... (e.g. 1:6,8:4,32:3: 6 while one sequence runs, 4 up to "
-                        f"8, else 3; default {DEFAULT_SPEC_DEPTH}: 7 at batch 1, else 4)")
+                        f"8, else 3; default {DEFAULT_SPEC_DEPTH}: 6 at batch 1, else 4)")
     g.add_argument("--spec-topk", type=int, default=1, help="children per tree node (1 = chain)")
     g.add_argument("--spec-num-verify", type=int, default=None,
                    help="tree nodes verified per step, root included (default: depth + 1 for a "
