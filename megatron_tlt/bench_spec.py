@@ -201,6 +201,7 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
     prof = cProfile.Profile() if profile else None
     wall, results, steps, running = 0.0, [], 0, 0
     first_steps, later_steps = [], []  # each call's first step (the prefill); the rest
+    tail_steps, tail_wall = 0, 0.0  # steps with fewer sequences running than the call had
     gc0 = gc.get_stats()[2]["collections"]
     batches, limit = prompts, None
     if getattr(args, "continuous", False) and len(prompts) > 1:
@@ -228,6 +229,10 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
             if engine.step_log:
                 first_steps.append(engine.step_log[0][1])
                 later_steps.extend(w for _, w in engine.step_log[1:])
+                full_n = max(n for n, _ in engine.step_log)
+                tail = [w for n, w in engine.step_log if n < full_n]
+                tail_steps += len(tail)
+                tail_wall += sum(tail)
     finally:
         sched.max_num_seqs = full
     errors = [r.error for r in results if r.error]
@@ -248,6 +253,11 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
            # every live object, milliseconds in a process holding many graphs and tensors
            "gc_full_collections": gc.get_stats()[2]["collections"] - gc0,
            "generate_calls": len(batches),
+           # The tail: steps after the first sequence of a call finished (fewer running
+           # than the call's most), their count and host-timed wall. A static batch waits
+           # for its slowest sequence, and with speculative decoding the sequences'
+           # acceptance differs, so the batch thins out long before the last step.
+           "tail_steps": tail_steps, "tail_wall_s": tail_wall,
            # Graph captures, recaptures and kernel-planner timings during this run: each
            # costs milliseconds to seconds of wall time (none expected after the warm-up).
            "events": {k: after[k] - before.get(k, 0) for k in after
@@ -263,7 +273,17 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
         row.update(acceptance_rate=t["acceptance_rate"], acceptance_length=t["acceptance_length"],
                    num_drafts=t["num_drafts"], drafted=t["drafted"], fallbacks=t["fallbacks"],
                    **{k: after[k] - before[k] for k in _STEP_COUNTS})
+        row["sequence_acceptance_length"] = _spread([
+            1.0 + r.spec_stats.get("accepted", 0) / r.spec_stats["num_drafts"]
+            for r in results if r.spec_stats.get("num_drafts")])
     return row
+
+
+def _spread(xs: list[float]) -> dict | None:
+    """min / median / max of a per-sequence figure (None when no sequence has one)."""
+    if not xs:
+        return None
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
 
 
 def _capture_seconds(engine, decoder) -> float:
@@ -414,6 +434,11 @@ def main(args: argparse.Namespace) -> int:
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
                                    "around each phase of the SD step (draft, plain, verify_forward, verify); "
                                    "ms_per_step = phase wall ms / engine steps; not part of tokens_per_s",
+                      "tail_steps": "engine steps of a generate call with fewer sequences running than its "
+                                    "most (after its first sequence finished); tail_wall_s their host-timed wall; "
+                                    "tail_wall_share (per row): tail_wall_s / wall_s of the first repeat",
+                      "sequence_acceptance_length": "min / median / max over the sequences of their own "
+                                                    "acceptance length (accepted drafts / verifications + 1)",
                   },
                   "results": rows, "complete": complete, "wall_s": time.perf_counter() - start}
         if getattr(args, "json", None):
@@ -451,8 +476,16 @@ def main(args: argparse.Namespace) -> int:
                    if mode != "off" else "")
             steps = (f"; first step {row['first_step_ms']:.1f} ms, then {row['median_step_ms']:.2f} ms "
                      f"per step (median)" if row["median_step_ms"] is not None else "")
+            x0 = xs[0]
+            row["tail_wall_share"] = x0["tail_wall_s"] / x0["wall_s"] if x0["wall_s"] > 0 else None
+            tail = (f"; tail {x0['tail_steps']} of {x0['steps']} steps, {100 * row['tail_wall_share']:.0f}% "
+                    f"of the wall" if b > 1 and row["tail_wall_share"] is not None else "")
+            spread = x0.get("sequence_acceptance_length")
+            if spread:
+                tail += (f"; sequences' acceptance length {spread['min']:.2f} / {spread['median']:.2f} / "
+                         f"{spread['max']:.2f} (min / median / max)")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
-                  f"{row['mean_len']:.1f}{acc}{steps}", flush=True)
+                  f"{row['mean_len']:.1f}{acc}{steps}{tail}", flush=True)
             if row.get("length_mismatch"):
                 print(f"B={b:>3} {mode:>5}: WARNING mean length {row['mean_len']:.1f} vs plain "
                       f"{off_len:.1f}: tokens/s carry prefill differently, the speedup is not "

@@ -195,3 +195,26 @@ def test_bench_spec_modes_share_noise_streams(tmp_path):
     assert key["ngram"] == key["ngram@3"], key
     assert key["ngram@2"] != key["ngram"], key
     assert rows["ngram"]["num_drafts"] > 0
+
+
+def test_bench_spec_reports_the_tail(tmp_path):
+    """Each run reports its tail (steps after a call's first sequence finished, and their
+    wall) and the spread of the sequences' own acceptance lengths; sequences of unequal
+    lengths (EOS on) make a tail, equal ones (--ignore-eos, plain decoding) none."""
+    path = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                 "--batch-sizes", "4", "--max-new-tokens", "16", "--temperature", "0.9", "--tasks", "sort",
+                 "--device", "cpu", "--min-sequences", "0", "--breakdown-tokens", "0", "--ignore-eos"]) == 0
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["results"]}
+    off, ng = rows["off"]["repeats"][0], rows["ngram"]["repeats"][0]
+    assert off["tail_steps"] == 0 and off["tail_wall_s"] == 0.0 and rows["off"]["tail_wall_share"] == 0.0
+    assert "sequence_acceptance_length" not in off
+    assert 0 <= ng["tail_steps"] < ng["steps"] and 0.0 <= rows["ngram"]["tail_wall_share"] < 1.0
+    spread = ng["sequence_acceptance_length"]
+    assert spread is not None and 1.0 <= spread["min"] <= spread["median"] <= spread["max"]
+    # with EOS on, plain decoding's sequences end at different steps: a tail
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafters", "ngram",
+                 "--batch-sizes", "4", "--max-new-tokens", "48", "--temperature", "1.5", "--tasks", "sort",
+                 "--device", "cpu", "--min-sequences", "0", "--breakdown-tokens", "0"]) == 0
+    off = {r["mode"]: r for r in json.loads(path.read_text())["results"]}["off"]["repeats"][0]
+    assert off["tail_steps"] > 0 and 0 < off["tail_wall_s"] < off["wall_s"]
