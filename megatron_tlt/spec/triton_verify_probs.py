@@ -41,9 +41,11 @@ _PROGRAMS = 512
 _MAX_PARTS = 64
 
 
-@triton.jit
-def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+# One compiled binary per kernel whatever the batch: the split (CHUNK, NPARTS) and Q change
+# with the rows, and a new specialisation compiled inside a timed run would cost a second.
+@triton.jit(do_not_specialize=["stride_t", "Q", "CHUNK"])
+def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V, CHUNK,
+                       BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     t = tl.load(temp_ptr + (row // Q) * stride_t).to(tl.float32)
@@ -68,9 +70,9 @@ def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V
     tl.store(pz_ptr + row * SPLIT + part, zz)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_t", "Q", "NPARTS", "CHUNK"])
 def _probs_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, p_ptr, stride_p, m_ptr, lz_ptr,
-                  V, NPARTS, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                  V, NPARTS, CHUNK, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.arange(0, SPLIT)
@@ -93,13 +95,12 @@ def _probs_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, p_ptr,
         tl.store(lz_ptr + row, tl.log(zz))
 
 
-def _parts(rows: int, v: int) -> tuple[int, int, int]:
-    """(parts per row, columns per part, SPLIT: a power of two >= parts) for `rows` rows
-    of v columns: about _PROGRAMS programs in all, parts of whole BLOCKs, none empty."""
+def _parts(rows: int, v: int) -> tuple[int, int]:
+    """(parts per row, columns per part) for `rows` rows of v columns: about _PROGRAMS
+    programs in all, at most _MAX_PARTS per row, parts of whole BLOCKs, none empty."""
     want = max(1, min(_MAX_PARTS, -(-_PROGRAMS // max(rows, 1)), -(-v // _BLOCK)))
     chunk = -(-(-(-v // want)) // _BLOCK) * _BLOCK
-    parts = -(-v // chunk)
-    return parts, chunk, triton.next_power_of_2(parts)
+    return -(-v // chunk), chunk
 
 
 def verify_probs(logits: torch.Tensor,  # [B, Q, V] float32, rows contiguous (any row stride)
@@ -121,14 +122,14 @@ def verify_probs(logits: torch.Tensor,  # [B, Q, V] float32, rows contiguous (an
     logz = torch.empty(b, q, dtype=torch.float32, device=dev)
     if rows == 0 or v == 0:
         return probs, shift, logz
-    parts, chunk, split = _parts(rows, v)
-    pm = torch.empty(rows, split, dtype=torch.float32, device=dev)
-    pz = torch.empty(rows, split, dtype=torch.float32, device=dev)
-    stride = logits.stride(1)
-    _part_stats_kernel[(rows, parts)](logits, stride, temperature, temperature.stride(0), q, pm, pz, v,
-                                      CHUNK=chunk, BLOCK=_BLOCK, SPLIT=split, num_warps=4)
-    _probs_kernel[(rows, parts)](logits, stride, temperature, temperature.stride(0), q, pm, pz, probs, v, shift, logz,
-                                 v, parts, CHUNK=chunk, BLOCK=_BLOCK, SPLIT=split, num_warps=4)
+    parts, chunk = _parts(rows, v)
+    pm = torch.empty(rows, _MAX_PARTS, dtype=torch.float32, device=dev)
+    pz = torch.empty(rows, _MAX_PARTS, dtype=torch.float32, device=dev)
+    stride, st = logits.stride(1), temperature.stride(0)
+    _part_stats_kernel[(rows, parts)](logits, stride, temperature, st, q, pm, pz, v, chunk,
+                                      BLOCK=_BLOCK, SPLIT=_MAX_PARTS, num_warps=4)
+    _probs_kernel[(rows, parts)](logits, stride, temperature, st, q, pm, pz, probs, v, shift, logz,
+                                 v, parts, chunk, BLOCK=_BLOCK, SPLIT=_MAX_PARTS, num_warps=4)
     return probs, shift, logz
 
 

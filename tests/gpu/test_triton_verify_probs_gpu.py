@@ -92,3 +92,23 @@ def test_fast_path_with_the_kernels_on_the_device(mode):
             torch.testing.assert_close(out[0][k], out[2][k], rtol=0, atol=1e-5)
         accepted += int(out[0]["accept_length"].sum())
     assert accepted > 0 and graph.num_captures > 0 and graph.num_replays == graph.num_steps
+
+
+def _compiled(fn) -> int:
+    """Binaries Triton holds for a jitted function (its per-device caches)."""
+    caches = getattr(fn, "device_caches", None)
+    if not isinstance(caches, dict):
+        pytest.skip("this Triton keeps its kernel cache elsewhere")
+    return sum(len(c[0]) for c in caches.values())
+
+
+def test_one_binary_for_every_batch_shape():
+    """The split and Q change with the rows; none of them is a specialisation, so a batch
+    shape first seen inside a timed run compiles nothing (a compile costs ~1 s)."""
+    x = torch.randn(64, 8, 151936, device="cuda")
+    t = torch.full((64,), 0.9, device="cuda")
+    tvp.verify_probs(x[:1, :2], t[:1])
+    base = (_compiled(tvp._part_stats_kernel), _compiled(tvp._probs_kernel))
+    for b, q in ((1, 7), (3, 5), (32, 5), (64, 8), (2, 3)):
+        tvp.verify_probs(x[:b, :q].contiguous(), t[:b])
+    assert (_compiled(tvp._part_stats_kernel), _compiled(tvp._probs_kernel)) == base
