@@ -23,8 +23,8 @@ the rejection sampler reads exactly these probabilities as the target distributi
 row's values depend on how many parts it is split into (`_parts`: the row count), as a
 torch reduction's already depend on the batch shape; the graph replay and the eager math
 of one shape agree bit for bit. A row with a NaN or +inf logit gets NaN probabilities (as
-softmax gives; -inf entries get 0). CPU keeps the torch ops (the exact reference path of the CPU tests).
-Kill switch: MEGATRON_TLT_FUSED_VERIFY_PROBS=0.
+softmax gives; -inf entries get 0). CPU keeps the torch ops (the exact reference path of
+the CPU tests). Kill switch: MEGATRON_TLT_FUSED_VERIFY_PROBS=0.
 
 Imported only where triton is (CUDA paths, interpreter tests).
 """
