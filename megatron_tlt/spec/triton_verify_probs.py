@@ -108,8 +108,12 @@ def verify_probs(logits: torch.Tensor,  # [B, Q, V] float32, rows contiguous (an
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs [B, Q, V] float32, M [B, Q] float32, log Z [B, Q] float32) of
     softmax(logits / T) (module doc): two launches, no host sync (capturable)."""
+    # rows b * Q + j at a fixed stride (a size-1 dimension's stride is free: contiguous()
+    # leaves it as it was)
+    if logits.dim() == 3:
+        row_stride = logits.stride(1) if logits.shape[1] > 1 else logits.stride(0)
     if logits.dim() != 3 or logits.dtype != torch.float32 or logits.stride(-1) != 1 \
-            or logits.stride(0) != logits.shape[1] * logits.stride(1):
+            or (logits.shape[0] > 1 and logits.stride(0) != logits.shape[1] * row_stride):
         raise ValueError(f"verify_probs: logits must be [B, Q, V] float32 with rows of stride "
                          f"(Q * S, S, 1), got {logits.dtype}{tuple(logits.shape)} strides {logits.stride()}")
     b, q, v = logits.shape
@@ -125,7 +129,7 @@ def verify_probs(logits: torch.Tensor,  # [B, Q, V] float32, rows contiguous (an
     parts, chunk = _parts(rows, v)
     pm = torch.empty(rows, _MAX_PARTS, dtype=torch.float32, device=dev)
     pz = torch.empty(rows, _MAX_PARTS, dtype=torch.float32, device=dev)
-    stride, st = logits.stride(1), temperature.stride(0)
+    stride, st = row_stride, temperature.stride(0)
     _part_stats_kernel[(rows, parts)](logits, stride, temperature, st, q, pm, pz, v, chunk,
                                       BLOCK=_BLOCK, SPLIT=_MAX_PARTS, num_warps=4)
     _probs_kernel[(rows, parts)](logits, stride, temperature, st, q, pm, pz, probs, v, shift, logz,

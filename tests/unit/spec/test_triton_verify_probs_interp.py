@@ -62,6 +62,11 @@ def test_strided_rows_and_rejected_layouts():
     big[:6] = x.view(6, 300)
     view = big.as_strided((2, 3, 300), (900, 300, 1))
     assert torch.equal(tvp.verify_probs(view, t)[0], tvp.verify_probs(x.clone(), t)[0])
+    # size-1 dimensions with any stride (what contiguous() leaves of a slice of one)
+    one = big.as_strided((1, 2, 300), (7777, 300, 1))
+    assert torch.equal(tvp.verify_probs(one, t[:1])[0], tvp.verify_probs(x[:1, :2].clone(), t[:1])[0])
+    col = big.as_strided((2, 1, 300), (900, 5, 1))
+    assert torch.equal(tvp.verify_probs(col, t)[0][:, 0], tvp.verify_probs(x[:, :1].clone(), t)[0][:, 0])
     with pytest.raises(ValueError, match="float32"):
         tvp.verify_probs(x.double(), t)
     with pytest.raises(ValueError, match="stride"):
