@@ -230,7 +230,9 @@ def sample(logits: torch.Tensor,  # [B, vocab] float32
         keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
         keep_vocab = torch.zeros_like(keep).scatter_(1, order, keep)
         proc = proc.masked_fill(~keep_vocab, float("-inf"))
-    proc_logprobs = torch.log_softmax(proc, dim=-1)
+    # Without a ban or a filter proc is scaled itself: its log_softmax is logprobs_all (the
+    # same op on the same tensor, the same bits), not a second pass over [B, vocab].
+    proc_logprobs = logprobs_all if proc is scaled else torch.log_softmax(proc, dim=-1)
     greedy_tok = torch.argmax(proc, dim=-1)
     race_tok = torch.argmax(proc_logprobs.exp() / exp_noise, dim=-1)
     tokens = torch.where(greedy, greedy_tok, race_tok)

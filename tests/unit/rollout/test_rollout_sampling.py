@@ -219,3 +219,43 @@ def test_stop_strings(greedy_base):
     assert (r.token_ids, r.finish_reason, r.stop_reason) == (base[:6], "stop", spanning)
     r = _run(model_dir, p, detok=detok, stop_strings=(spanning,), min_new_tokens=7)
     assert r.finish_reason == "length"
+
+
+def _sample_two_passes(logits, temperature, noise, banned=None):
+    """`sample` without filters as it was before the shared pass: log_softmax taken twice."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits.float() / t[:, None]
+    lp_all = torch.log_softmax(scaled, dim=-1)
+    proc = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    proc_lp = torch.log_softmax(proc, dim=-1)
+    tok = torch.where(greedy, proc.argmax(-1), (proc_lp.exp() / noise).argmax(-1))
+    lp = lp_all.gather(1, tok[:, None])[:, 0]
+    plp = torch.where(greedy, torch.zeros_like(lp), proc_lp.gather(1, tok[:, None])[:, 0])
+    return tok, lp, plp
+
+
+@pytest.mark.parametrize("filters", [False, True], ids=["graph_path", "tensor_filters_off"])
+def test_sample_without_ban_shares_the_log_softmax_pass(filters):
+    """Without a ban or an active filter the processed logprobs reuse logprobs' pass: the
+    same tokens, logprobs and processed logprobs, bit for bit, as two passes. With a ban
+    the second pass stays (equal to two passes there too), and its processed logprobs of
+    sampled rows differ from the logprobs (a reuse under a ban would make them equal)."""
+    g = torch.Generator().manual_seed(3)
+    b, v = 9, 501
+    logits = torch.randn(b, v, generator=g) * 3
+    temp = torch.tensor([0.0, 0.9, 1.0, 1.3, 0.5, 0.0, 2.0, 0.7, 1.0])
+    noise = torch.empty(b, v).exponential_(generator=g)
+    k = torch.zeros(b, dtype=torch.int64) if filters else None
+    p = torch.ones(b) if filters else None
+    out = sample(logits, temp, k, p, noise)
+    want = _sample_two_passes(logits, temp, noise)
+    assert torch.equal(out.token_ids, want[0])
+    assert torch.equal(out.logprobs, want[1]) and torch.equal(out.processed_logprobs, want[2])
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[:, :50] = True
+    out_b = sample(logits, temp, k, p, noise, banned)
+    want_b = _sample_two_passes(logits, temp, noise, banned)
+    assert torch.equal(out_b.token_ids, want_b[0]) and torch.equal(out_b.processed_logprobs, want_b[2])
+    sampled = temp > 0
+    assert not torch.equal(out_b.processed_logprobs[sampled], out_b.logprobs[sampled])
