@@ -57,7 +57,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "eagle-ahead has the draft-ahead alone; plain eagle follows "
                         "MEGATRON_TLT_SPEC_VERIFY_AHEAD, default on), eagle-torchprobs (EAGLE "
                         "with the verification's target probabilities from torch ops instead of "
-                        "the Triton kernels, MEGATRON_TLT_FUSED_VERIFY_PROBS=0's step); NAME@D: chain depth D "
+                        "the Triton kernels, MEGATRON_TLT_FUSED_VERIFY_PROBS=0's step), eagle-onehot "
+                        "(chains of the drafter's argmax tokens verified as one-hot proposals, "
+                        "EagleProposer.one_hot_chains); NAME@D: chain depth D "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -125,7 +127,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
         raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead, "
-                       f"eagle-noahead, eagle-vahead and/or eagle-torchprobs, "
+                       f"eagle-noahead, eagle-vahead, eagle-torchprobs and/or eagle-onehot, "
                        f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
@@ -139,7 +141,7 @@ def _mode(name: str) -> tuple[str, int | None] | None:
     """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
     kind, _, depth = name.partition("@")
     if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead", "eagle-vahead",
-                    "eagle-torchprobs"):
+                    "eagle-torchprobs", "eagle-onehot"):
         return None
     if not depth:
         return kind, None
@@ -370,6 +372,8 @@ def main(args: argparse.Namespace) -> int:
             dec.defer_max_batch = 0
         if kind == "eagle-torchprobs":
             dec.fused_verify_probs = False
+        if kind == "eagle-onehot":
+            dec.drafter.one_hot_chains = True
         if kind in ("eagle-ahead", "eagle-noahead", "eagle-vahead"):  # (plain eagle follows the environment)
             dec.draft_ahead = kind != "eagle-noahead"  # the next chain queued before the verification is read
             dec.verify_ahead = kind == "eagle-vahead"  # and the next verify forward after it

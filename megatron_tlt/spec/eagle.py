@@ -500,7 +500,8 @@ class EagleProposer(Drafter):
     its next speculative step, or are consumed eagerly once more than `max_pending` pile up.
     Temperature 0: top-k by log_softmax; temperature > 0: chains sample each token from
     the processed draft distribution (noise from the request's stream; draft_probs
-    passed to the verifier), trees take the top-k (one-hot proposals).
+    passed to the verifier), or with `one_hot_chains` take the argmax (one-hot
+    proposals), and trees take the top-k (one-hot proposals).
     Non-finite drafter outputs for a sequence -> DraftTree.failed (plain decode)."""
 
     name = "eagle"
@@ -525,6 +526,12 @@ class EagleProposer(Drafter):
         """Chain steps through eagle_graph.ChainGraphs (static buffers, one CUDA graph
         replay per step). None: on a CUDA device unless MEGATRON_TLT_DRAFT_GRAPHS=0;
         True: also on CPU (run eagerly on the static buffers; tests); False: never."""
+        self.one_hot_chains = False
+        """Sampled targets too get chains of the drafter's argmax tokens (one-hot
+        proposals, as trees already are), verified by the one-hot rule (accept x with the
+        target's probability of x): lossless like the sampled chains, with no draft
+        distributions written or read and no noise drawn for the drafts. Off by default
+        (`bench spec --drafters eagle-onehot` times it against the sampled chains)."""
         self._chain_graphs: ChainGraphs | None = None
         self.num_eager_steps = 0
         """Proposals drafted on the eager path (trees, or chains the static path does not
@@ -791,8 +798,8 @@ class EagleProposer(Drafter):
         d = self.drafter
         dev = lg.device
         params = [seqs[i].request.sampling_params for i in cur]
-        s_rows = [r for r, p in enumerate(params) if p.temperature > 0]
-        g_rows = [r for r, p in enumerate(params) if not p.temperature > 0]
+        s_rows = [] if self.one_hot_chains else [r for r, p in enumerate(params) if p.temperature > 0]
+        g_rows = [r for r in range(len(params)) if r not in s_rows]
         tok = probs = None
         if g_rows:
             lg_g = lg if not s_rows else lg[torch.tensor(g_rows, device=dev)]
@@ -856,7 +863,8 @@ class EagleProposer(Drafter):
                         builders[i].fail("non-finite drafter logits")
                     off += n
                 params = {i: seqs[i].request.sampling_params for i in ok}
-                sampled = [i for i in ok if strategy.is_chain and params[i].temperature > 0]
+                sampled = [i for i in ok if strategy.is_chain and params[i].temperature > 0
+                           and not self.one_hot_chains]
                 if sampled:
                     # Sampled chains, all sequences at once: the processed draft distribution,
                     # each sequence's next noise draw (the same values as drawing alone),

@@ -124,8 +124,8 @@ class ChainGraphs:
             if sum(x.shape[0] for x in st.pending) != n:
                 return None
         params = [s.request.sampling_params for s in seqs]
-        if all(x.temperature <= 0 for x in params):
-            return ("greedy",)
+        if p.one_hot_chains or all(x.temperature <= 0 for x in params):
+            return ("greedy",)  # argmax chains (one-hot proposals for sampled targets)
         key = {(float(x.temperature), max(int(x.top_k), 0), float(x.top_p)) for x in params}
         if len(key) != 1 or next(iter(key))[0] <= 0:
             return None

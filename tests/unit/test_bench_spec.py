@@ -146,7 +146,7 @@ def test_bench_spec_bad_input(capsys):
                  "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
-    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead, eagle-vahead and/or eagle-torchprobs" in capsys.readouterr().err
+    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead, eagle-vahead, eagle-torchprobs and/or eagle-onehot" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--min-sequences", "-1"]) == 2
     assert "--min-sequences must be >= 0" in capsys.readouterr().err
@@ -218,3 +218,16 @@ def test_bench_spec_reports_the_tail(tmp_path):
                  "--device", "cpu", "--min-sequences", "0", "--breakdown-tokens", "0"]) == 0
     off = {r["mode"]: r for r in json.loads(path.read_text())["results"]}["off"]["repeats"][0]
     assert off["tail_steps"] > 0 and 0 < off["tail_wall_s"] < off["wall_s"]
+
+
+def test_bench_spec_one_hot_mode(tmp_path):
+    """eagle-onehot runs beside eagle in one run and drafts (argmax chains, one-hot
+    verification; tests/unit/spec/test_eagle_graph.py checks the path itself)."""
+    path = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
+                 "--drafters", "eagle,eagle-onehot", "--batch-sizes", "2", "--max-new-tokens", "12",
+                 "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "2",
+                 "--ignore-eos", "--breakdown-tokens", "0", "--temperature", "0.9"]) == 0
+    rows = {r["mode"]: r["repeats"][0] for r in json.loads(path.read_text())["results"]}
+    assert rows["eagle-onehot"]["num_drafts"] > 0 and rows["eagle"]["num_drafts"] > 0
+    assert rows["eagle-onehot"]["tokens"] == rows["eagle"]["tokens"]  # --ignore-eos: equal lengths

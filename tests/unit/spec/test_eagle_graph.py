@@ -402,3 +402,52 @@ def test_draft_ahead_deeper_than_a_tile_queues_nothing(spec_models):
     off, _ = go(False)
     assert dec.num_deferred > 0 and dec.num_ahead == 0
     assert tokens(on) == tokens(off)
+
+
+@pytest.mark.parametrize("defer", [0, 64], ids=["read_back", "deferred"])
+def test_one_hot_chains(spec_models, defer, monkeypatch):
+    """EagleProposer.one_hot_chains at T=0.8: the static path drafts argmax chains (its
+    graphs are the greedy ones, no draft distributions) and gives the tokens and logprobs
+    of the eager batched path; deferred verification (the drafts read where they are)
+    gives those of reading them back; the drafts are verified as one-hot proposals (the
+    fast path's one_hot math). Control: the sampled chains of the
+    same drafter emit other texts (they draw the drafts from the stream, the verification
+    other draws)."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    def make(static, one_hot=True):
+        def f(e):
+            p = EagleProposer(random_eagle(e, seed=2), min_kv_capacity=128)
+            p.static_chains, p.one_hot_chains = static, one_hot
+            return p
+        return f
+
+    from megatron_tlt.spec.eagle_graph import ChainGraphs
+    settings = []
+    run_graph = ChainGraphs._run
+    monkeypatch.setattr(ChainGraphs, "_run", lambda self, b, depth, setting, buf:
+                        settings.append(setting) or run_graph(self, b, depth, setting, buf))
+    from megatron_tlt.spec.verify_math import VerifyMath
+    modes = []
+    plan = VerifyMath.plan
+    monkeypatch.setattr(VerifyMath, "plan", staticmethod(lambda *a: modes.append(plan(*a)) or modes[-1]))
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, prompt_seed=3, max_new_tokens=14, temperature=0.8)
+    out = {}
+    for name, static, one_hot, d in (("static", True, True, defer), ("eager", False, True, 0),
+                                     ("sampled", True, False, defer)):
+        engine = make_engine(spec_models["qwen2"])
+        engine.spec_decoder = SpecDecoder(make(static, one_hot)(engine), Strategy(depth=3), defer_drafts=d)
+        out[name] = (engine.generate(reqs), engine.spec_decoder, modes[:], settings[:])
+        settings.clear()
+        modes.clear()
+    (rs, ds, ms, ss), (re_, de, _, _), (rsm, _, _, ssm) = out["static"], out["eager"], out["sampled"]
+    assert tokens(rs) == tokens(re_) and [r.logprobs for r in rs] == [r.logprobs for r in re_]
+    assert ds.drafter._chain_graphs.num_steps > 0 and set(ss) == {("greedy",)}
+    assert ssm and all(x[0] == "sampled" for x in ssm)
+    assert ms and {m.mode for m in ms if m is not None} == {"one_hot"}
+    assert ds.metrics.summary()["total"]["drafted"] > 0  # (a random drafter's argmax is
+    # rarely accepted by this flat target: the one-hot rule's acceptance is tested in
+    # test_lossless / test_verify_fast with the n-gram drafter's one-hot proposals)
+    if defer:
+        assert ds.num_deferred > 0
+    assert tokens(rsm) != tokens(rs)
