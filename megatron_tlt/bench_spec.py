@@ -464,9 +464,11 @@ def main(args: argparse.Namespace) -> int:
         off_tps = statistics.median(x["tokens_per_s"] for x in runs["off"])
         off_len = statistics.mean(x["mean_len"] for x in runs["off"])
         for mode, xs in runs.items():
+            x0 = xs[0]
             row = {"batch": b, "mode": mode, "repeats": xs,
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in xs),
-                   "mean_len": statistics.mean(x["mean_len"] for x in xs)}
+                   "mean_len": statistics.mean(x["mean_len"] for x in xs),
+                   "tail_wall_share": x0["tail_wall_s"] / x0["wall_s"] if x0["wall_s"] > 0 else None}
             for k in ("first_step_ms", "median_step_ms"):
                 vals = [x[k] for x in xs if x.get(k) is not None]
                 row[k] = statistics.median(vals) if vals else None
@@ -480,8 +482,6 @@ def main(args: argparse.Namespace) -> int:
                    if mode != "off" else "")
             steps = (f"; first step {row['first_step_ms']:.1f} ms, then {row['median_step_ms']:.2f} ms "
                      f"per step (median)" if row["median_step_ms"] is not None else "")
-            x0 = xs[0]
-            row["tail_wall_share"] = x0["tail_wall_s"] / x0["wall_s"] if x0["wall_s"] > 0 else None
             tail = (f"; tail {x0['tail_steps']} of {x0['steps']} steps, {100 * row['tail_wall_share']:.0f}% "
                     f"of the wall" if b > 1 and row["tail_wall_share"] is not None else "")
             spread = x0.get("sequence_acceptance_length")

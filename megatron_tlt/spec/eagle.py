@@ -798,8 +798,9 @@ class EagleProposer(Drafter):
         d = self.drafter
         dev = lg.device
         params = [seqs[i].request.sampling_params for i in cur]
-        s_rows = [] if self.one_hot_chains else [r for r, p in enumerate(params) if p.temperature > 0]
-        g_rows = [r for r in range(len(params)) if r not in s_rows]
+        sampled = [p.temperature > 0 and not self.one_hot_chains for p in params]
+        s_rows = [r for r, x in enumerate(sampled) if x]
+        g_rows = [r for r, x in enumerate(sampled) if not x]
         tok = probs = None
         if g_rows:
             lg_g = lg if not s_rows else lg[torch.tensor(g_rows, device=dev)]

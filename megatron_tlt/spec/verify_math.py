@@ -452,8 +452,8 @@ class VerifyMath:
             if self.fused_probs and not ban:
                 # triton_verify_probs: the probabilities and each row's max and log-sum,
                 # from which the logprobs below are gathered (no log_softmax pass)
-                from megatron_tlt.spec.triton_verify_probs import verify_probs
-                probs, *stats = verify_probs(logits, temp)
+                from megatron_tlt.spec import triton_verify_probs as tvp
+                probs, *stats = tvp.verify_probs(logits, temp)
             else:
                 # sampled_probs, with the quotient kept for the logprobs below (which the
                 # general path takes before the ban)
@@ -469,8 +469,7 @@ class VerifyMath:
         tok = out.output_tokens.clamp(min=0)
         rows = st["rows"]
         if stats is not None:  # the fused kernels' M and log Z: gather B x Q logits only
-            from megatron_tlt.spec.triton_verify_probs import token_logprobs
-            lp = token_logprobs(logits, temp, stats[0], stats[1], rows, node, tok)
+            lp = tvp.token_logprobs(logits, temp, stats[0], stats[1], rows, node, tok)
         else:
             # The general path takes log_softmax(logits[rows, node] / T); log_softmax works
             # row by row (its reductions depend only on the row length), so taking it over
