@@ -59,7 +59,11 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "with the verification's target probabilities from torch ops instead of "
                         "the Triton kernels, MEGATRON_TLT_FUSED_VERIFY_PROBS=0's step), eagle-onehot "
                         "(chains of the drafter's argmax tokens verified as one-hot proposals, "
-                        "EagleProposer.one_hot_chains); NAME@D: chain depth D "
+                        "EagleProposer.one_hot_chains), eagle-torchlayer (the drafter's layer "
+                        "in torch ops instead of the Triton kernel path, "
+                        "MEGATRON_TLT_DRAFTER_KERNELS=0's step); NAME@D: chain depth D, "
+                        "NAME@B:D/B:D...: a depth schedule by running batch (--spec-depth's "
+                        "form with / for its commas, e.g. eagle@1:6/8:5/32:4) "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -82,7 +86,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft depth, or depths by running batch size BATCH:DEPTH,... (e.g. "
                         "1:6,8:4,32:3: depth 6 up to 1 running sequence, 4 up to 8, else 3; "
-                        f"default {DEFAULT_SPEC_DEPTH}); a mode NAME@D in --drafters uses depth D instead")
+                        f"default {DEFAULT_SPEC_DEPTH}); a mode NAME@D (or NAME@B:D/B:D...) in --drafters "
+                        "uses its own")
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-num-verify", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
@@ -127,8 +132,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     bad = [n for n in names if _mode(n) is None]
     if bad or not names or len(set(names)) != len(names):
         raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead, "
-                       f"eagle-noahead, eagle-vahead, eagle-torchprobs and/or eagle-onehot, "
-                       f"each optionally @DEPTH (e.g. eagle@3), once each, got {args.drafters!r}")
+                       f"eagle-noahead, eagle-vahead, eagle-torchprobs, eagle-onehot and/or "
+                       f"eagle-torchlayer, "
+                       f"each optionally @DEPTH or @B:D/B:D... (e.g. eagle@3, eagle@1:6/32:4), once each, "
+                       f"got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
     from megatron_tlt.spec.tree import parse_depth_schedule
@@ -137,14 +144,23 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     return args
 
 
-def _mode(name: str) -> tuple[str, int | None] | None:
-    """(drafter kind, depth override or None) of a --drafters entry; None when invalid."""
+def _mode(name: str) -> tuple[str, int | str | None] | None:
+    """(drafter kind, depth or depth schedule override, or None) of a --drafters entry;
+    None when invalid."""
     kind, _, depth = name.partition("@")
     if kind not in ("eagle", "ngram", "eagle-readback", "eagle-ahead", "eagle-noahead", "eagle-vahead",
-                    "eagle-torchprobs", "eagle-onehot"):
+                    "eagle-torchprobs", "eagle-onehot", "eagle-torchlayer"):
         return None
     if not depth:
         return kind, None
+    if ":" in depth:  # a schedule, B:D pairs separated by / (commas separate the modes)
+        from megatron_tlt.spec.tree import parse_depth_schedule
+        schedule = depth.replace("/", ",")
+        try:
+            parse_depth_schedule(schedule)
+        except TLTError:
+            return None
+        return kind, schedule
     return (kind, int(depth)) if depth.isdigit() and int(depth) >= 1 else None
 
 
@@ -372,6 +388,8 @@ def main(args: argparse.Namespace) -> int:
             dec.defer_max_batch = 0
         if kind == "eagle-torchprobs":
             dec.fused_verify_probs = False
+        if kind == "eagle-torchlayer":
+            dec.drafter.drafter.kernel_layers = False
         if kind == "eagle-onehot":
             dec.drafter.one_hot_chains = True
         if kind in ("eagle-ahead", "eagle-noahead", "eagle-vahead"):  # (plain eagle follows the environment)

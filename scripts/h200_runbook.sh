@@ -20,6 +20,11 @@
 #             and logs into RESULTS_DIR
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
+#   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the verify-probs
+#             kernels' file and the drafter graphs' file, the drafter kernel path among
+#             them), then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with the
+#             drafter's kernel path on and off (MEGATRON_TLT_DRAFTER_KERNELS=1 / 0, random
+#             weights, no target needed; pg_drafter_kernels{1,0}.json)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
 set -uo pipefail
@@ -69,12 +74,25 @@ case "$STAGE" in
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k pdl \
         2>&1 | tail -n 15 | tee "$RESULTS/gpu_tests_pdl.log"
     echo "[runbook] rollout: at $(( $(date +%s) - t0 )) s" ;;
+  kernels)
+    # shellcheck disable=SC2086
+    timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider \
+        ${KERNEL_TESTS:-tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
+        > "$RESULTS/gpu_tests_kernels.log" 2>&1
+    echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_kernels.log"
+    for k in 1 0; do
+      [ "$(left)" -gt 60 ] || break
+      MEGATRON_TLT_DRAFTER_KERNELS=$k timeout "$(left)" $PY tools/profile_generate.py --shape 1.5b \
+          --batch-sizes 1,32 --json "$RESULTS/pg_drafter_kernels$k.json" 2>&1 | grep -v -i warn | tail -n 12
+      echo "[runbook] kernels profile (drafter kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
+    done ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec rollout gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec rollout kernels gputests)" ;;
 esac
 exit 0

@@ -61,7 +61,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
                      stride_o, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     RES_READ: tl.constexpr = True, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -71,8 +71,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
         x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     x = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection output's rounding
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        s = (x + r).to(res_ptr.dtype.element_ty)
+        if RES_READ:  # residual += x
+            r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            s = (x + r).to(res_ptr.dtype.element_ty)
+        else:  # the residual stream starts here: residual = x
+            s = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + row * stride_r + cols, s, mask=ok)
         x = s.to(tl.float32)
     var = tl.sum(x * x, 0) / N
@@ -91,21 +94,27 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
              eps: float,
              residual: torch.Tensor | None = None,  # [T, N], updated in place: residual += x
              bias: torch.Tensor | None = None,  # [N]: the bias of the projection x came from
+             *, sum_out: torch.Tensor | None = None,  # [T, N], written: x (+ bias), rounded
              ) -> torch.Tensor:  # [T, N] in weight's dtype: RMSNorm(residual + x) (or of x)
     """x = sum of the planes (+ bias), rounded to the model dtype once; then the residual
-    add (rounded), RMSNorm in float32 and the weight multiply, as the reference rounds."""
+    add (rounded), RMSNorm in float32 and the weight multiply, as the reference rounds.
+    `sum_out` instead of `residual`: the rounded x itself is stored there (a residual
+    stream that starts at this projection, e.g. the EAGLE drafter's fc), nothing read."""
     xp = _planes(x)
     s, t, n = xp.shape
     if xp.stride(-1) != 1:
         raise ValueError("rms_norm: x must be contiguous in its last dimension")
+    if residual is not None and sum_out is not None:
+        raise ValueError("rms_norm: residual (read and updated) or sum_out (written), not both")
     out = torch.empty(t, n, dtype=weight.dtype, device=xp.device)
     block = max(16, _next_pow2(n))
-    res = residual if residual is not None else out
+    res = residual if residual is not None else sum_out if sum_out is not None else out
     _rms_norm_kernel[(t,)](xp, res, weight, bias if bias is not None else weight, out,
                            xp.stride(0), xp.stride(1), res.stride(0), out.stride(0),
-                           float(eps), N=n, BLOCK=block, S=s, HAS_RESIDUAL=residual is not None,
-                           HAS_BIAS=bias is not None, num_warps=4 if block <= 2048 else 8,
-                           **pdl.kwargs())
+                           float(eps), N=n, BLOCK=block, S=s,
+                           HAS_RESIDUAL=residual is not None or sum_out is not None,
+                           HAS_BIAS=bias is not None, RES_READ=sum_out is None,
+                           num_warps=4 if block <= 2048 else 8, **pdl.kwargs())
     return out
 
 

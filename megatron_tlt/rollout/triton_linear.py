@@ -302,28 +302,32 @@ class LinearPlanner(PlanCache):
         """(m, n, k, dtype, split) -> {str(config): microseconds} of every candidate timed."""
         super().__init__(plan_file)
 
-    def config(self, x: torch.Tensor, weight: torch.Tensor, *, split: bool = True) -> LinearConfig:
-        """split=False: only single-plane configs (for `linear_into`)."""
+    def config(self, x: torch.Tensor, weight: torch.Tensor, *, split: bool = True,
+               rows: int | None = None) -> LinearConfig:
+        """split=False: only single-plane configs (for `linear_into`). rows: plan for this
+        many rows (at least x's): a caller whose row count varies (the EAGLE drafter's eager
+        levels against its graphs' padded buckets) gets one config, and rows computed alike."""
         if self.fixed is not None:
             return self.fixed
-        if x.device.type != "cuda" or x.shape[0] > _MAX_TRITON_ROWS:
+        m = max(x.shape[0], rows or 0)
+        if x.device.type != "cuda" or m > _MAX_TRITON_ROWS:
             return CUBLAS
         # Row counts are planned per power-of-two bucket (a verify step's B * Q takes many
         # values); a bucket's config serves every row count up to it.
-        key = (_row_bucket(x.shape[0]), weight.shape[0], weight.shape[1], weight.dtype, split)
+        key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
         return self._choose(self.plans, key, lambda: self._tune(x, weight, key))[0]
 
     def fused_config(self, kind: str,  # "norm" | "silu"
                      planes: torch.Tensor,  # [S, M, *] the prologue's input planes
                      weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-                     eps: float = 1e-6) -> LinearConfig | None:
+                     eps: float = 1e-6, rows: int | None = None) -> LinearConfig | None:
         """The config to run `kind`'s kernel fused into this projection's prologue with, or
         None when the separate kernel + projection is at least as fast (always None for
         more than one row: every program re-reads its rows' inputs, and for the norm the
-        whole row)."""
+        whole row; `rows` as in `config`)."""
         if self.fixed is not None:
             return self.fixed if self.fixed_fused and self.fixed.kind == "dot" else None
-        if planes.device.type != "cuda" or planes.shape[1] != 1:
+        if planes.device.type != "cuda" or max(planes.shape[1], rows or 0) != 1:
             return None
         key = (kind, planes.shape[1], weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         return self._choose(self.fused, key,

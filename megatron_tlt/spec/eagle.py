@@ -44,9 +44,9 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.model import apply_rope, linear, rms_norm, rope_table
-from megatron_tlt.rollout.sampling import exponential_noise
+from megatron_tlt.rollout.sampling import exponential_noise, has_triton
 from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
-from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV
+from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV, paged_levels
 from megatron_tlt.spec.eagle_graph import ChainGraphs
 from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
 from megatron_tlt.spec.eagle_graph import fused_pick
@@ -188,6 +188,18 @@ class EagleDrafter(nn.Module):
         self.fused_products: bool | None = None if env is None else env != "0"
         """The fused products of `_fast`: None (default) on a CUDA drafter, off on CPU (the
         CPU tests' exact path); True / False force them (MEGATRON_TLT_DRAFTER_FUSED=1 / 0)."""
+        env = os.environ.get("MEGATRON_TLT_DRAFTER_KERNELS")
+        self.kernel_layers: bool | None = None if env is None else env != "0"
+        """Chain levels and extends through the decode model's Triton kernels
+        (spec/drafter_kernels.py, ~15 launches per layer forward instead of ~35): None
+        (default) on a CUDA drafter that is not batch-invariant and whose chain levels use
+        the paged attention kernel; off on CPU. True forces them (the CPU tests run them
+        under Triton's interpreter, with fixed projection configs: then batch-invariant
+        too); False / MEGATRON_TLT_DRAFTER_KERNELS=0 keeps the torch ops. Never while
+        training (grad enabled)."""
+        self.planner = None
+        """The LinearPlanner of the kernel path's projections (None: the process's shared
+        planner for the device, the one the engine's decode model uses)."""
         self.reset_parameters()
 
     # ---- parameters ---------------------------------------------------------------
@@ -269,6 +281,16 @@ class EagleDrafter(nn.Module):
             fused = self.fc.weight.is_cuda
         return fused and not self.batch_invariant and not torch.is_grad_enabled()
 
+    def kernels_on(self, x: torch.Tensor) -> bool:
+        """Whether a forward over x (a tensor on the drafter's device) takes the Triton
+        kernel path (`kernel_layers`)."""
+        if torch.is_grad_enabled():
+            return False
+        on = self.kernel_layers
+        if on is None:
+            on = x.is_cuda and not self.batch_invariant and paged_levels(x)
+        return bool(on) and has_triton()
+
     def _fused_weight(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """The row-concatenation of `parts` (weights or biases), cached and refreshed IN
         PLACE when a part changes (its storage or version): a CUDA graph that read the
@@ -302,7 +324,7 @@ class EagleDrafter(nn.Module):
     def refresh_fused(self) -> None:
         """Build, or bring up to date in place, everything the fused path reads (before a
         graph replay, so a capture never meets a tensor created inside it)."""
-        if not self._fast():
+        if not (self._fast() or self.kernels_on(self.fc.weight)):
             return
         w, _ = self._fused_qkv()
         self._fused_gate_up()
@@ -647,14 +669,20 @@ class EagleProposer(Drafter):
         flat = to_device(int64_tensor([pair_idx, slot_of, toks]), dev)
         idx, tokens = flat[:2], flat[2]
         g = d.fuse_features(feats.to(dev, p0.dtype))
-        x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
-        self.kv.write(idx[1], idx[0], k, v)
         # Only each sequence's last pair goes on (its (f, logits) are all a proposal uses;
-        # the other pairs' K/V are written above): one query per sequence.
+        # the other pairs' K/V are written): one query per sequence.
         rows = to_device(int64_tensor(list(last_row.values())), dev)
-        o = self.kv.attend_one(q.index_select(0, rows), idx[1][rows], idx[0][rows], d.scale)
-        f = d.layer_out(x.index_select(0, rows), o)
-        lg = d.logits(f)
+        if d.kernels_on(g):  # planned as the graphs' extend of this step's bucket is
+            from megatron_tlt.spec.drafter_kernels import layer, plan_rows
+            bucket = plan_rows(len(seqs))
+            f, lg = layer(d, tokens, g, idx[0] + 1, self.kv, idx[1], idx[0], rows=bucket * QUERY_TILE,
+                          query=rows, query_rows=bucket)
+        else:
+            x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
+            self.kv.write(idx[1], idx[0], k, v)
+            o = self.kv.attend_one(q.index_select(0, rows), idx[1][rows], idx[0][rows], d.scale)
+            f = d.layer_out(x.index_select(0, rows), o)
+            lg = d.logits(f)
         for j, i in enumerate(last_row):
             out[i] = (f[j], lg[j])
         return out
@@ -758,6 +786,10 @@ class EagleProposer(Drafter):
         dev = lg.device
         slot_t, base_t = torch.tensor([[st.slot for st in states], [st.num_pairs for st in states]]).to(dev)
         ok_t = None  # rows whose last level wrote finite V
+        kernels = d.kernels_on(f)
+        if kernels:  # planned for the step's bucket, as the graphs' levels are
+            from megatron_tlt.spec.drafter_kernels import layer, plan_rows
+            bucket = plan_rows(len(seqs))
         level = 0
         while True:
             tok, probs, sampled = self._pick_chain_tokens(seqs, cur, lg)
@@ -780,15 +812,18 @@ class EagleProposer(Drafter):
                 tok, f, slot_t, base_t = tok[sel], f[sel], slot_t[sel], base_t[sel]
                 cur = [cur[r] for r in keep]
             idx = base_t + level
-            x, q, k, v = d.layer_qkv(tok, f, idx + 1)
-            ok_t = torch.isfinite(v).flatten(1).all(-1)
-            # Draft V goes in through nan_to_num: the slot keeps it past this step (masked,
-            # weight exactly 0, and 0 * inf would be NaN); a row whose V was non-finite
-            # fails at the next pick via ok_t, as the per-sequence path did.
-            self.kv.write(slot_t, idx, k, torch.nan_to_num(v))
-            o = self.kv.attend_one(q, slot_t, idx, d.scale)
-            f = d.layer_out(x, o)
-            lg = d.logits(f)
+            if kernels:  # a non-finite V fails the row through its logits (drafter_kernels.py)
+                f, lg = layer(d, tok, f, idx + 1, self.kv, slot_t, idx, rows=bucket)
+            else:
+                x, q, k, v = d.layer_qkv(tok, f, idx + 1)
+                ok_t = torch.isfinite(v).flatten(1).all(-1)
+                # Draft V goes in through nan_to_num: the slot keeps it past this step (masked,
+                # weight exactly 0, and 0 * inf would be NaN); a row whose V was non-finite
+                # fails at the next pick via ok_t, as the per-sequence path did.
+                self.kv.write(slot_t, idx, k, torch.nan_to_num(v))
+                o = self.kv.attend_one(q, slot_t, idx, d.scale)
+                f = d.layer_out(x, o)
+                lg = d.logits(f)
             level += 1
 
     def _pick_chain_tokens(self, seqs, cur, lg):

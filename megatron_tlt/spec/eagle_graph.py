@@ -365,15 +365,23 @@ class ChainGraphs:
         # RoPE positions within the drafter's table: only padding rows (tile rows past a
         # sequence's pairs, levels past its cap) reach beyond it, near max_position_embeddings
         top = d.rope_cos.shape[0] - 1
-        x, q, k, v = d.layer_qkv(ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1), feats, (pair + 1).clamp(max=top))
-        kv.write(slot[:, None].expand(bucket, QUERY_TILE).reshape(-1), pair, k, v)
+        tile_tokens = ints[:, _TOK:_TOK + QUERY_TILE].reshape(-1)
+        tile_slots = slot[:, None].expand(bucket, QUERY_TILE).reshape(-1)
         # Only each tile's root (its last real pair) goes on: the other pairs' K/V are all
         # the chain needs of them (as in the eager extend).
         root = torch.arange(bucket, device=dev) * QUERY_TILE + n - 1
         base = lo + n
-        o = kv.attend_one(q.index_select(0, root), slot, base - 1, d.scale)
-        f = d.layer_out(x.index_select(0, root), o)
-        lg = d.logits(f)
+        kernels = d.kernels_on(feats)  # the Triton kernel path (spec/drafter_kernels.py)
+        if kernels:
+            from megatron_tlt.spec.drafter_kernels import layer
+            f, lg = layer(d, tile_tokens, feats, (pair + 1).clamp(max=top), kv, tile_slots, pair,
+                          rows=bucket * QUERY_TILE, query=root, query_rows=bucket)
+        else:
+            x, q, k, v = d.layer_qkv(tile_tokens, feats, (pair + 1).clamp(max=top))
+            kv.write(tile_slots, pair, k, v)
+            o = kv.attend_one(q.index_select(0, root), slot, base - 1, d.scale)
+            f = d.layer_out(x.index_select(0, root), o)
+            lg = d.logits(f)
         out_ints = torch.zeros(bucket, 2 * depth, dtype=torch.int64, device=dev)
         out = {"ints": out_ints}
         sampled = setting[0] == "sampled"
@@ -385,6 +393,11 @@ class ChainGraphs:
         elif sampled:
             out["probs"] = torch.zeros(bucket, depth + 1, a.vocab_size, dtype=torch.float32, device=dev)
         ok = None
+        if kernels and depth > 1:  # every level's K/V index, position and flat destination at once
+            lvl_idx = base[None, :] + torch.arange(depth - 1, device=dev)[:, None]  # [depth - 1, bucket]
+            lvl_ctx = lvl_idx + 1  # keys each level's query sees
+            lvl_pos = lvl_ctx.clamp(max=top)
+            lvl_map = torch.add(lvl_idx, slot[None, :], alpha=kv.capacity)
         for lvl in range(depth):
             if pick:
                 chain_pick(lg, temp, ints[:, _KEY], ints[:, _DRAW], lvl, d.draft_to_target,
@@ -407,6 +420,10 @@ class ChainGraphs:
                 out_ints[:, depth + lvl] = finite.long()
             if lvl == depth - 1:
                 break
+            if kernels:  # a non-finite V fails the row through its logits
+                f, lg = layer(d, tok, f, lvl_pos[lvl], kv, slot, lvl_idx[lvl], rows=bucket,
+                              slot_mapping=lvl_map[lvl], context_lens=lvl_ctx[lvl])
+                continue
             idx = base + lvl
             x, q, k, v = d.layer_qkv(tok, f, (idx + 1).clamp(max=top))
             ok = torch.isfinite(v).flatten(1).all(-1)

@@ -35,6 +35,19 @@ def _engine(model_dir, dtype, **kw):
                          block_size=4, num_blocks=kw.pop("num_blocks", 64), **kw)
 
 
+def _assert_same_drafts(eager, draws_e, n_e, graph, draws_g, n_g):
+    """draft_steps' outputs of the eager path and of the graphs: every step on its path
+    (the first step's long pending caught up, EagleProposer._catch_up), the same noise
+    draws, tokens, fallbacks and (torch.equal) draft distributions."""
+    assert n_e == 0 and n_g == len(GROWS)
+    assert draws_g == draws_e
+    for step, (te, tg) in enumerate(zip(eager, graph)):
+        for i, (a, b) in enumerate(zip(te, tg)):
+            assert a[0] == b[0] and a[3] == b[3], (step, i, a[0], b[0])
+            if a[2] is not None:
+                assert torch.equal(a[2], b[2]), (step, i)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature, draft_vocab", [(0.0, None), (0.9, 48), (0.7, None)])
 def test_graph_drafts_equal_eager_drafts(model_dir, dtype, temperature, draft_vocab):
@@ -43,13 +56,7 @@ def test_graph_drafts_equal_eager_drafts(model_dir, dtype, temperature, draft_vo
     temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
     eager, draws_e, n_e = draft_steps(d, temps, lengths, caps, static=False)
     graph, draws_g, n_g = draft_steps(d, temps, lengths, caps, static=None)  # None: graphs on CUDA
-    assert n_e == 0 and n_g == len(GROWS)  # the first step's long pending caught up (_catch_up)
-    assert draws_g == draws_e
-    for step, (te, tg) in enumerate(zip(eager, graph)):
-        for i, (a, b) in enumerate(zip(te, tg)):
-            assert a[0] == b[0] and a[3] == b[3], (step, i, a[0], b[0])
-            if a[2] is not None:
-                assert torch.equal(a[2], b[2]), (step, i)
+    _assert_same_drafts(eager, draws_e, n_e, graph, draws_g, n_g)
 
 
 def test_graphs_replay_and_follow_in_place_weight_updates(model_dir):
@@ -146,3 +153,71 @@ def test_admissions_under_continuous_batching_stay_on_the_graphs(model_dir, temp
     assert pe.num_eager_steps > 0
     assert tokens(rg) == tokens(re_)
     assert [r.logprobs for r in rg] == [r.logprobs for r in re_]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature, draft_vocab", [(0.0, None), (0.9, 48)])
+def test_kernel_path_graph_drafts_equal_eager_drafts(model_dir, dtype, temperature, draft_vocab):
+    """The drafter's Triton kernel path (spec/drafter_kernels.py, the default for a CUDA
+    engine's drafter), projections planned by the shared LinearPlanner: the graphs' padded
+    buckets draft what the eager path's live rows draft, bit for bit (the configs are
+    planned per step bucket, every kernel row-local); the kernel path ran."""
+    from megatron_tlt.spec import drafter_kernels
+
+    e = _engine(model_dir, dtype)
+    d = random_eagle(e, seed=4, draft_vocab=draft_vocab)
+    temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
+
+    def bound(p):  # as bind() to a CUDA engine leaves it: not batch-invariant, kernels by default
+        p.drafter.batch_invariant = False
+        with torch.no_grad():
+            assert p.drafter.kernel_layers is None and p.drafter.kernels_on(p.kv.k)
+
+    calls = []
+    layer = drafter_kernels.layer
+    drafter_kernels.layer = lambda *a, **k: calls.append(1) or layer(*a, **k)
+    try:
+        eager, draws_e, n_e = draft_steps(d, temps, lengths, caps, static=False, prepare=bound)
+        n_eager = len(calls)
+        graph, draws_g, n_g = draft_steps(d, temps, lengths, caps, static=None, prepare=bound)
+    finally:
+        drafter_kernels.layer = layer
+    assert n_eager > 0 and len(calls) > n_eager  # (graph replays call nothing: captures do)
+    _assert_same_drafts(eager, draws_e, n_e, graph, draws_g, n_g)
+
+
+def test_kernel_path_layer_matches_the_torch_path(model_dir):
+    """bf16: the kernel path's f and logits within bf16 rounding of the torch fast path's
+    (layer_qkv, SlotKV.write, attend_one, layer_out, logits) on the same slot contents."""
+    from megatron_tlt.spec import drafter_kernels
+    from megatron_tlt.spec.drafter_kv import SlotKV
+
+    e = _engine(model_dir, torch.bfloat16)
+    prop = EagleProposer(random_eagle(e, seed=4))
+    d = prop.drafter
+    d.batch_invariant = False
+    a = d.arch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kvs = []
+    for _ in range(2):
+        kv = SlotKV(a.num_kv_heads, a.head_dim, torch.bfloat16, "cuda", min_capacity=32)
+        for _ in range(3):
+            kv.acquire()
+        kvs.append(kv)
+    kvs[0].k.copy_(torch.randn(kvs[0].k.shape, device="cuda", generator=g))
+    kvs[0].v.copy_(torch.randn(kvs[0].v.shape, device="cuda", generator=g))
+    kvs[1].k.copy_(kvs[0].k)
+    kvs[1].v.copy_(kvs[0].v)
+    slots = torch.tensor([0, 1, 2, 1, 0], device="cuda")
+    index = torch.tensor([3, 7, 0, 8, 4], device="cuda")
+    tok = torch.randint(0, a.vocab_size, (5,), device="cuda", generator=g)
+    feat = torch.randn(5, a.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        f, lg = drafter_kernels.layer(d, tok, feat, index + 1, kvs[0], slots, index, rows=8)
+        x, q, k, v = d.layer_qkv(tok, feat, index + 1)
+        kvs[1].write(slots, index, k, v)
+        f_ref = d.layer_out(x, kvs[1].attend_one(q, slots, index, d.scale))
+        lg_ref = d.logits(f_ref)
+    for got, ref in ((f, f_ref), (lg, lg_ref), (kvs[0].k, kvs[1].k), (kvs[0].v, kvs[1].v)):
+        err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err < 3e-2, float(err)

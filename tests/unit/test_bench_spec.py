@@ -146,31 +146,35 @@ def test_bench_spec_bad_input(capsys):
                  "--max-new-tokens", "8", "--min-new-tokens", "9"]) == 2
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--prompt-sets", "0"]) == 2
-    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead, eagle-vahead, eagle-torchprobs and/or eagle-onehot" in capsys.readouterr().err
+    assert "--drafters takes eagle, ngram, eagle-readback, eagle-ahead, eagle-noahead, eagle-vahead, eagle-torchprobs, eagle-onehot and/or eagle-torchlayer" in capsys.readouterr().err
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--min-sequences", "-1"]) == 2
     assert "--min-sequences must be >= 0" in capsys.readouterr().err
 
 
 def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
-    """--drafters NAME@D runs that mode at depth D beside the others in one run;
-    --spec-depth BATCH:DEPTH,... sets the other modes' depth by running batch size."""
+    """--drafters NAME@D runs that mode at depth D beside the others in one run, NAME@B:D/...
+    with its own depth schedule; --spec-depth BATCH:DEPTH,... sets the other modes' depth
+    by running batch size."""
     path = tmp_path / "spec.json"
     assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
-                 "--drafters", "eagle,eagle@1,ngram@2", "--batch-sizes", "1,3", "--max-new-tokens", "12",
+                 "--drafters", "eagle,eagle@1,ngram@2,ngram@1:1/3:2", "--batch-sizes", "1,3", "--max-new-tokens", "12",
                  "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "1:3,3:2", "--ignore-eos",
                  "--breakdown-tokens", "0"]) == 0
     rows = {(r["batch"], r["mode"]): r for r in json.loads(path.read_text())["results"]}
-    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "ngram@2", "off")]
+    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "ngram@1:1/3:2", "ngram@2", "off")]
     for b in (1, 3):
         one = rows[(b, "eagle@1")]["repeats"][0]
         assert one["num_drafts"] > 0 and one["drafted"] == one["num_drafts"]  # depth 1
         two = rows[(b, "ngram@2")]["repeats"][0]
         assert two["drafted"] <= 2 * two["num_drafts"]
+    sched = {b: rows[(b, "ngram@1:1/3:2")]["repeats"][0] for b in (1, 3)}
+    assert sched[1]["drafted"] <= sched[1]["num_drafts"]  # one running: depth 1
+    assert sched[3]["drafted"] > sched[3]["num_drafts"]  # three running: depth 2
     deep = rows[(1, "eagle")]["repeats"][0]  # one sequence: depth 3
     assert deep["drafted"] > 2 * deep["num_drafts"]
     capsys.readouterr()
-    for bad in ("eagle@0", "eagle@x", "eagle,eagle", "medusa"):
+    for bad in ("eagle@0", "eagle@x", "eagle,eagle", "medusa", "eagle@3:1/2:2", "eagle@1:0", "eagle@1:2,3:4"):
         assert main(["bench", "spec", "--model", TINY, "--drafter", "d", "--drafters", bad]) == 2
         assert "--drafters takes" in capsys.readouterr().err, bad
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--spec-depth", "3:1,2:2"]) == 2
@@ -220,14 +224,18 @@ def test_bench_spec_reports_the_tail(tmp_path):
     assert off["tail_steps"] > 0 and 0 < off["tail_wall_s"] < off["wall_s"]
 
 
-def test_bench_spec_one_hot_mode(tmp_path):
-    """eagle-onehot runs beside eagle in one run and drafts (argmax chains, one-hot
-    verification; tests/unit/spec/test_eagle_graph.py checks the path itself)."""
+def test_bench_spec_one_hot_and_torch_layer_modes(tmp_path):
+    """eagle-onehot and eagle-torchlayer run beside eagle in one run and draft (argmax
+    chains with one-hot verification; the drafter's torch ops, which on the CPU are what
+    eagle runs too; tests/unit/spec/test_eagle_graph.py and test_drafter_kernels_interp.py
+    check the paths themselves)."""
     path = tmp_path / "spec.json"
     assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
-                 "--drafters", "eagle,eagle-onehot", "--batch-sizes", "2", "--max-new-tokens", "12",
+                 "--drafters", "eagle,eagle-onehot,eagle-torchlayer", "--batch-sizes", "2", "--max-new-tokens", "12",
                  "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "2",
                  "--ignore-eos", "--breakdown-tokens", "0", "--temperature", "0.9"]) == 0
     rows = {r["mode"]: r["repeats"][0] for r in json.loads(path.read_text())["results"]}
     assert rows["eagle-onehot"]["num_drafts"] > 0 and rows["eagle"]["num_drafts"] > 0
     assert rows["eagle-onehot"]["tokens"] == rows["eagle"]["tokens"]  # --ignore-eos: equal lengths
+    assert rows["eagle-torchlayer"]["num_drafts"] > 0
+    assert rows["eagle-torchlayer"]["acceptance_length"] == rows["eagle"]["acceptance_length"]

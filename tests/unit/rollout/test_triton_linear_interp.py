@@ -74,6 +74,21 @@ def test_consumers_add_planes_and_bias_before_rounding():
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
+def test_rms_norm_sum_out_starts_a_residual_stream():
+    """sum_out: the planes' sum + bias is stored (what a zero residual would become) and
+    the norm is that of the zero-residual call; residual and sum_out together are refused."""
+    g = torch.Generator().manual_seed(1)
+    planes = torch.randn(2, 3, 40, generator=g)
+    w = 1 + 0.1 * torch.randn(40, generator=g)
+    b = torch.randn(40, generator=g)
+    zero, start = torch.zeros(3, 40), torch.full((3, 40), float("nan"))
+    ref = rms_norm(planes, w, 1e-6, residual=zero, bias=b)
+    assert torch.equal(rms_norm(planes, w, 1e-6, bias=b, sum_out=start), ref)
+    assert torch.equal(start, zero)
+    with pytest.raises(ValueError, match="not both"):
+        rms_norm(planes, w, 1e-6, residual=zero, sum_out=start)
+
+
 def test_fused_prologues_equal_the_separate_kernels():
     """SiLU * mul and residual add + RMSNorm (+ the previous projection's bias) computed in
     the projection's prologue == the separate kernel then the projection; the residual

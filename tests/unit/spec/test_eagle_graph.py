@@ -35,10 +35,11 @@ def _seq(seq_id, tokens, temperature, seed=7):
                                  rng=make_noise_stream(seed, seq_id, 0))
 
 
-def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=False):
+def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=False, prepare=None):
     """Propose steps over sequences growing by GROWS tokens in between (ragged pending
     pairs, the first step with more pairs than a query tile). Returns (trees per step,
-    draws per sequence, static steps taken)."""
+    draws per sequence, static steps taken). prepare(proposer), if given, runs right after
+    the proposer is built."""
     g = torch.Generator().manual_seed(seed)
     full, feats = [], []
     for n in lengths:
@@ -46,6 +47,8 @@ def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=Fals
         feats.append(torch.randn(n + sum(GROWS), d.arch.hidden_size, generator=g))
     prop = EagleProposer(d, min_kv_capacity=128)
     prop.static_chains = static
+    if prepare is not None:
+        prepare(prop)
     seqs = [_seq(i, full[i][:n], t) for i, (n, t) in enumerate(zip(lengths, temps))]
     for s, f in zip(seqs, feats):
         prop.observe(s, 0, f[:len(s.token_ids) - 1])
