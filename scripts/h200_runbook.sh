@@ -15,9 +15,10 @@
 #             next call resumes there: ~100 s)
 #   drafters  DRAFTERS (default "t09x512u3 t09x512") trained on the target; a cut run
 #             resumes at the next call (train_drafter keeps its state)
-#   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,16,32),
-#             SPEC_MODES (default eagle,eagle@4,eagle@5), the defaults otherwise; JSONs
-#             and logs into RESULTS_DIR
+#   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,4,16,32),
+#             SPEC_MODES (default eagle,eagle-torchlayer,eagle-onehot: the drafter's kernel
+#             path against its torch ops, argmax chains against sampled ones), SPEC_TAG
+#             (default _s18), the defaults otherwise; JSONs and logs into RESULTS_DIR
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
 #   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the verify-probs
@@ -62,8 +63,8 @@ case "$STAGE" in
       if [ "$STAGE" = drafters ]; then
         SWEEP_DRAFTERS=$d SWEEP_DEPTHS=none timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       elif [ -f "$WORK/drafter_$d/config.json" ]; then
-        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:6,32:4} SWEEP_TAG=${SPEC_TAG:-_s16} \
-        SWEEP_MODES=${SPEC_MODES:-eagle,eagle@4,eagle@5} SWEEP_BATCHES=${SPEC_BATCHES:-1,16,32} \
+        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:6,32:4} SWEEP_TAG=${SPEC_TAG:-_s18} \
+        SWEEP_MODES=${SPEC_MODES:-eagle,eagle-torchlayer,eagle-onehot} SWEEP_BATCHES=${SPEC_BATCHES:-1,4,16,32} \
             timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       fi
       echo "[runbook] $STAGE $d: rc=$? at $(( $(date +%s) - t0 )) s"

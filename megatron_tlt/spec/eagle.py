@@ -837,9 +837,15 @@ class EagleProposer(Drafter):
         s_rows = [r for r, x in enumerate(sampled) if x]
         g_rows = [r for r, x in enumerate(sampled) if not x]
         tok = probs = None
-        if g_rows:
+        if g_rows:  # target ids
             lg_g = lg if not s_rows else lg[torch.tensor(g_rows, device=dev)]
-            tok = torch.log_softmax(lg_g.float(), dim=-1).argmax(-1)  # first max = lowest id
+            if fused_pick(lg_g, [0], [1.0]):  # one kernel, as the chain graphs pick (triton_pick.py)
+                from megatron_tlt.spec.triton_pick import greedy_pick
+                flags = torch.empty(2, lg_g.shape[0], dtype=torch.int64, device=dev)
+                greedy_pick(lg_g.float().contiguous(), d.draft_to_target, flags[0], flags[1])
+                tok = flags[0]
+            else:
+                tok = d.to_target_ids(torch.log_softmax(lg_g.float(), dim=-1).argmax(-1))  # first max = lowest id
         if s_rows:
             lg_s = lg if not g_rows else lg[torch.tensor(s_rows, device=dev)]
             sp = [params[r] for r in s_rows]
@@ -867,10 +873,8 @@ class EagleProposer(Drafter):
                 tok = tok_s
             else:
                 tok = torch.empty(len(cur), dtype=torch.int64, device=dev) \
-                    .index_put_((torch.tensor(g_rows, device=dev),), d.to_target_ids(tok)) \
+                    .index_put_((torch.tensor(g_rows, device=dev),), tok) \
                     .index_put_((torch.tensor(s_rows, device=dev),), tok_s)
-        elif tok is not None:
-            tok = d.to_target_ids(tok)
         return tok, probs, {cur[r]: j for j, r in enumerate(s_rows)}
 
     def _draft_trees(self, seqs, builders, roots, strategy) -> None:

@@ -386,6 +386,9 @@ class ChainGraphs:
         out = {"ints": out_ints}
         sampled = setting[0] == "sampled"
         pick = sampled and fused_pick(lg, [setting[2]], [setting[3]])
+        greedy = not sampled and fused_pick(lg, [0], [1.0])  # one kernel too (triton_pick.greedy_pick)
+        if greedy:
+            from megatron_tlt.spec.triton_pick import greedy_pick
         if pick:  # one kernel per level (spec/triton_pick.py), writing into static outputs
             from megatron_tlt.spec.triton_pick import chain_pick
             out["probs"] = self._probs(buf, bucket, depth)  # zero outside the draft vocabulary
@@ -403,6 +406,9 @@ class ChainGraphs:
                 chain_pick(lg, temp, ints[:, _KEY], ints[:, _DRAW], lvl, d.draft_to_target,
                            out["probs"][:, lvl + 1], out_ints[:, lvl], out_ints[:, depth + lvl], ok)
                 tok = out_ints[:, lvl]
+            elif greedy:
+                greedy_pick(lg, d.draft_to_target, out_ints[:, lvl], out_ints[:, depth + lvl], ok)
+                tok = out_ints[:, lvl]
             elif sampled:
                 _, temp, top_k, top_p = setting
                 qd = process_logits(lg, temp, top_k, top_p)
@@ -411,7 +417,7 @@ class ChainGraphs:
                 out["probs"][:, lvl + 1] = d.scatter_to_target(qd).float()
             else:
                 tok = torch.log_softmax(lg.float(), dim=-1).argmax(-1)  # first max = lowest id
-            if not pick:
+            if not (pick or greedy):
                 finite = torch.isfinite(lg).all(-1)
                 if ok is not None:
                     finite &= ok

@@ -1,4 +1,5 @@
-"""One chain level's sampled pick in one Triton kernel (the EAGLE drafter's GPU fast path).
+"""One chain level's sampled pick in one Triton kernel (the EAGLE drafter's GPU fast path);
+also the greedy pick of argmax chains (`greedy_pick`, at the end).
 
 Why: per level of a drafted chain the torch ops of a sampled pick (process_logits at
 temperature T, the Exp(1) noise, the race, the draft distribution scattered into the
@@ -125,6 +126,62 @@ def chain_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabul
         ok if ok is not None else keys, _GOLDEN, _MIX1, _MIX2, torch.finfo(torch.float32).tiny, V=v,
         BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(v))), HAS_IDS=ids is not None, HAS_OK=ok is not None,
         num_warps=4)
+
+
+@triton.jit
+def _greedy_pick_kernel(lg_ptr, stride_lg, ids_ptr, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr,
+                        V: tl.constexpr, BLOCK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_OK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    src = lg_ptr + row * stride_lg
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int64)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ok = idx < V
+        x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
+        bad += tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
+        s = tl.where(ok & (x == x), x, float("-inf"))  # NaN never wins (its row fails anyway)
+        cmax = tl.max(s, 0)
+        ci = tl.min(tl.where(s == cmax, idx, V), 0).to(tl.int64)
+        take = cmax > best  # strictly: an earlier block keeps a tie (lowest id)
+        best_i = tl.where(take, ci, best_i)
+        best = tl.where(take, cmax, best)
+    tok = best_i
+    if HAS_IDS:
+        tok = tl.load(ids_ptr + tok)
+    tl.store(tok_ptr + row * stride_tok, tok)
+    finite = tl.sum(bad, 0) == 0
+    if HAS_OK:
+        finite = finite & (tl.load(ok_ptr + row) != 0)
+    tl.store(flag_ptr + row * stride_flag, finite.to(tl.int64))
+
+
+def greedy_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabulary)
+                ids: torch.Tensor | None,  # [V] int64 draft -> target ids (None: identity)
+                tok_out: torch.Tensor,  # [B] int64 (any stride): target ids
+                flag_out: torch.Tensor,  # [B] int64 (any stride): 1 where the row is finite
+                ok: torch.Tensor | None = None,  # [B] bool: rows still finite before this level
+                ) -> None:
+    """One chain level's greedy pick in one launch (argmax chains: greedy targets and
+    EagleProposer.one_hot_chains): token = the argmax of the logits, lowest id on ties,
+    mapped to target ids; flag = every logit finite (and `ok`). The torch path takes the
+    argmax of log_softmax(lg), which can differ where two logits round to one value after
+    the log-sum shift: either is a valid proposal (verification does not depend on how
+    the draft was chosen), and every CUDA drafting path takes this kernel, so they agree."""
+    b, v = lg.shape
+    if lg.dtype != torch.float32 or lg.stride(-1) != 1:
+        raise ValueError("greedy_pick: lg must be float32 and contiguous in the last dim")
+    if ok is not None and ok.stride(0) != 1:
+        raise ValueError("greedy_pick: ok must be contiguous")
+    if ids is not None and ids.shape != (v,):
+        raise ValueError(f"greedy_pick: ids {tuple(ids.shape)} do not match the logits' {v} columns")
+    if b == 0:
+        return
+    _greedy_pick_kernel[(b,)](lg, lg.stride(0), ids if ids is not None else lg, tok_out, tok_out.stride(0),
+                              flag_out, flag_out.stride(0), ok if ok is not None else lg, V=v,
+                              BLOCK=min(_BLOCK, max(16, triton.next_power_of_2(v))),
+                              HAS_IDS=ids is not None, HAS_OK=ok is not None, num_warps=4)
 
 
 def chain_pick_reference(lg, temperature, keys, draws, draw_offset, ids, vocab):

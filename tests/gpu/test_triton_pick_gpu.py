@@ -3,7 +3,8 @@ without a GPU): against its torch reference on the device (the same Exp(1) noise
 q within float32 rounding, the same tokens except at near-ties of the race, which the
 test bounds), its draws against the q it writes (chi-square with a negative control),
 and the drafting paths that take it: the chain graphs replay exactly what the eager
-chain drafts (tests/gpu/test_eagle_graph_gpu.py covers that path end to end)."""
+chain drafts (tests/gpu/test_eagle_graph_gpu.py covers that path end to end). The greedy
+pick of argmax chains: the lowest maximal id, non-finite rows flagged."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ pytest.importorskip("triton")
 
 from scipy.stats import chisquare  # noqa: E402
 
-from megatron_tlt.spec.triton_pick import chain_pick, chain_pick_reference  # noqa: E402
+from megatron_tlt.spec.triton_pick import chain_pick, chain_pick_reference, greedy_pick  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +82,21 @@ def test_pick_flags_non_finite_rows_on_the_device():
                          torch.zeros(4, dtype=torch.int64, device="cuda"), 0, None, 33, ok)
     assert flag.tolist() == [1, 0, 0, 0]
     assert int(tok.min()) >= 0 and int(tok.max()) < 33
+
+
+@pytest.mark.parametrize("b", [1, 7, 64])
+@pytest.mark.parametrize("v, reduced", [(128, True), (4096, False), (151936, False)])
+def test_greedy_pick_is_the_lowest_argmax_on_the_device(b, v, reduced):
+    vocab = 151936
+    ids = (torch.randperm(vocab, device="cuda")[:v].sort().values if reduced else None)
+    lg = torch.randn(b, v, device="cuda") * 3
+    lg[0, [1, v - 1]] = 50.0  # a tie (across blocks for v > 1024): 1 wins
+    if b > 1:
+        lg[1, 4] = float("nan")
+    out = torch.full((2, b), -7, dtype=torch.int64, device="cuda")
+    greedy_pick(lg, ids, out[0], out[1])
+    want = torch.where(lg.isnan(), float("-inf"), lg).argmax(-1)
+    if ids is not None:
+        want = ids[want]
+    assert torch.equal(out[0], want)
+    assert out[1].tolist() == [1] + [0] * (b > 1) + [1] * max(0, b - 2)

@@ -22,7 +22,7 @@ pytestmark = triton_interpreter()
 
 from scipy.stats import chisquare  # noqa: E402
 
-from megatron_tlt.spec.triton_pick import chain_pick, chain_pick_reference  # noqa: E402
+from megatron_tlt.spec.triton_pick import chain_pick, chain_pick_reference, greedy_pick  # noqa: E402
 
 
 def _case(b, v, vocab, ids, seed):
@@ -71,6 +71,46 @@ def test_pick_non_finite_rows_and_ok_mask():
     tok, flag, _ = _pick(lg, temp, keys, draws, 0, None, 33, ok)
     assert flag.tolist() == [1, 0, 0, 0]
     assert int(tok.min()) >= 0 and int(tok.max()) < 33
+
+
+@pytest.mark.parametrize("v, reduced", [(1, False), (33, False), (128, True), (2500, False)])
+def test_greedy_pick_is_the_lowest_argmax(v, reduced):
+    """greedy_pick: the argmax of the logits, lowest id on ties (ties placed within one
+    block and across blocks of 1024), mapped to target ids; control: the highest-id
+    argmax differs on the tie rows."""
+    vocab = 3000
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:v].sort().values if reduced else None
+    g = torch.Generator().manual_seed(v)
+    lg = torch.randn(6, v, generator=g) * 3
+    if v > 2:
+        lg[1, [2, v - 1]] = 50.0  # a tie: 2 wins
+        lg[2, [0, v // 2]] = 50.0
+    if v > 2048:
+        lg[3, [1500, 2400]] = 60.0  # a tie across blocks
+    out = torch.full((2, 6), -7, dtype=torch.int64)
+    greedy_pick(lg, ids, out[0], out[1])
+    want = lg.argmax(-1)  # torch: the first maximal index
+    m = lg.max(-1, keepdim=True).values
+    last = (v - 1) - (lg == m).flip(-1).int().argmax(-1)
+    if ids is not None:
+        want, last = ids[want], ids[last]
+    assert torch.equal(out[0], want) and bool(out[1].all())
+    if v > 2:
+        assert not torch.equal(out[0], last)  # control: the ties are real and resolved low
+
+
+def test_greedy_pick_non_finite_rows_and_ok_mask():
+    g = torch.Generator().manual_seed(9)
+    lg = torch.randn(5, 40, generator=g)
+    lg[1, 4] = float("nan")
+    lg[2, 0] = float("inf")
+    lg[3, :] = float("-inf")
+    ok = torch.tensor([True, True, True, True, False])
+    out = torch.full((2, 5), -7, dtype=torch.int64)
+    greedy_pick(lg, None, out[0], out[1], ok)
+    assert out[1].tolist() == [1, 0, 0, 0, 0]
+    assert int(out[0].min()) >= 0 and int(out[0].max()) < 40
+    assert int(out[0][2]) == 0 and int(out[0][3]) == 0 and int(out[0][0]) == int(lg[0].argmax())
 
 
 def test_pick_draws_follow_the_written_distribution():
@@ -148,3 +188,31 @@ def test_static_and_eager_chains_agree_on_the_kernel(kernel_on_cpu, spec_models,
             assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3]
             assert torch.equal(a[2], b[2])
             assert abs(float(a[2][1:].sum(-1).sub(1).abs().max())) < 1e-5  # rows are distributions
+
+
+@pytest.mark.parametrize("temperature, one_hot", [(0.0, False), (0.9, True)])
+def test_static_and_eager_argmax_chains_agree_on_the_greedy_kernel(kernel_on_cpu, spec_models, monkeypatch,
+                                                                     temperature, one_hot):
+    """Argmax chains (greedy targets; sampled targets with one_hot_chains) on the greedy
+    pick kernel: the static buffers and the eager chain draft the same tokens, and on
+    these float32 logits the same as the torch ops' argmax of log_softmax; the kernel ran."""
+    import megatron_tlt.spec.triton_pick as triton_pick
+    from spec_testutil import make_engine, random_eagle
+    from test_eagle_graph import _run
+    calls = []
+    kernel = triton_pick.greedy_pick
+    monkeypatch.setattr(triton_pick, "greedy_pick", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    d = random_eagle(make_engine(spec_models["qwen2"]), seed=4, draft_vocab=48)
+    temps, lengths, caps = [temperature] * 5, [3, 11, 6, 20, 8], [4, 2, 4, 3, 1]
+
+    def prep(p):
+        p.one_hot_chains = one_hot
+    eager, draws_e, _ = _run(d, temps, lengths, caps, static=False, prepare=prep)
+    n_eager = len(calls)
+    static, draws_s, n_s = _run(d, temps, lengths, caps, static=True, prepare=prep)
+    assert n_eager > 0 and len(calls) > n_eager and n_s == 6 and draws_s == draws_e
+    assert [[(t[0], t[1], t[3]) for t in st] for st in static] == [[(t[0], t[1], t[3]) for t in st] for st in eager]
+    monkeypatch.setattr(triton_pick, "greedy_pick", None)  # the torch ops now (fused_pick says no)
+    monkeypatch.setattr("megatron_tlt.spec.eagle.fused_pick", lambda lg, ks, ps: False)
+    torch_ops, _, _ = _run(d, temps, lengths, caps, static=False, prepare=prep)
+    assert [[t[0] for t in st] for st in torch_ops] == [[t[0] for t in st] for st in eager]
