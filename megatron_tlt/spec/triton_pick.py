@@ -38,6 +38,30 @@ _BLOCK = 1024
 
 
 @triton.jit
+def _argmax_update(score, idx, V, best, best_i):
+    """Fold one block's maximum into the running (best, best_i): the lowest index of the
+    block's maximum, kept only when strictly greater (an earlier block keeps a tie)."""
+    cmax = tl.max(score, 0)
+    ci = tl.min(tl.where(score == cmax, idx, V), 0).to(tl.int64)
+    take = cmax > best
+    return tl.where(take, cmax, best), tl.where(take, ci, best_i)
+
+
+@triton.jit
+def _store_pick(row, tok, bad, ids_ptr, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr,
+                HAS_IDS: tl.constexpr, HAS_OK: tl.constexpr):
+    """The row's token (mapped to target ids) and finiteness flag (no non-finite logit
+    counted in `bad`, and the incoming ok)."""
+    if HAS_IDS:
+        tok = tl.load(ids_ptr + tok)
+    tl.store(tok_ptr + row * stride_tok, tok)
+    finite = tl.sum(bad, 0) == 0
+    if HAS_OK:
+        finite = finite & (tl.load(ok_ptr + row) != 0)
+    tl.store(flag_ptr + row * stride_flag, finite.to(tl.int64))
+
+
+@triton.jit
 def _chain_pick_kernel(lg_ptr, stride_lg, temp_ptr, keys_ptr, stride_keys, draws_ptr, stride_draws,
                        draw_offset, ids_ptr,
                        probs_ptr, stride_probs, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr,
@@ -83,19 +107,21 @@ def _chain_pick_kernel(lg_ptr, stride_lg, temp_ptr, keys_ptr, stride_keys, draws
         e = tl.maximum((-tl.log(u)).to(tl.float32), TINY)
         score = q / e
         score = tl.where(ok & (q > 0) & (score >= 0), score, -1.0)
-        cmax = tl.max(score, 0)
-        ci = tl.min(tl.where(score == cmax, idx, V), 0).to(tl.int64)
-        take = cmax > best
-        best_i = tl.where(take, ci, best_i)
-        best = tl.where(take, cmax, best)
+        best, best_i = _argmax_update(score, idx, V, best, best_i)
     tok = tl.where(best >= 0, best_i, 0)
-    if HAS_IDS:
-        tok = tl.load(ids_ptr + tok)
-    tl.store(tok_ptr + row * stride_tok, tok)
-    finite = tl.sum(bad, 0) == 0
-    if HAS_OK:
-        finite = finite & (tl.load(ok_ptr + row) != 0)
-    tl.store(flag_ptr + row * stride_flag, finite.to(tl.int64))
+    _store_pick(row, tok, bad, ids_ptr, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr, HAS_IDS, HAS_OK)
+
+
+def _check(name: str, lg: torch.Tensor, ids: torch.Tensor | None, ok: torch.Tensor | None) -> tuple[int, int]:
+    """A pick's common input checks; returns (rows, draft vocabulary)."""
+    b, v = lg.shape
+    if lg.dtype != torch.float32 or lg.stride(-1) != 1:
+        raise ValueError(f"{name}: lg must be float32 and contiguous in the last dim")
+    if ok is not None and ok.stride(0) != 1:
+        raise ValueError(f"{name}: ok must be contiguous")
+    if ids is not None and ids.shape != (v,):
+        raise ValueError(f"{name}: ids {tuple(ids.shape)} do not match the logits' {v} columns")
+    return b, v
 
 
 def chain_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabulary)
@@ -110,13 +136,9 @@ def chain_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabul
                ok: torch.Tensor | None = None,  # [B] bool: rows still finite before this level
                ) -> None:
     """One launch: tokens, flags and draft distributions of one chain level (module doc)."""
-    b, v = lg.shape
-    if lg.dtype != torch.float32 or lg.stride(-1) != 1 or probs_out.stride(-1) != 1:
-        raise ValueError("chain_pick: lg must be float32 and lg / probs_out contiguous in the last dim")
-    if temperature.stride(0) != 1 or (ok is not None and ok.stride(0) != 1):
-        raise ValueError("chain_pick: temperature and ok must be contiguous")
-    if ids is not None and ids.shape != (v,):
-        raise ValueError(f"chain_pick: ids {tuple(ids.shape)} do not match the logits' {v} columns")
+    b, v = _check("chain_pick", lg, ids, ok)
+    if probs_out.stride(-1) != 1 or temperature.stride(0) != 1:
+        raise ValueError("chain_pick: probs_out must be contiguous in the last dim, temperature contiguous")
     if b == 0:
         return
     _chain_pick_kernel[(b,)](
@@ -142,19 +164,8 @@ def _greedy_pick_kernel(lg_ptr, stride_lg, ids_ptr, tok_ptr, stride_tok, flag_pt
         x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
         bad += tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
         s = tl.where(ok & (x == x), x, float("-inf"))  # NaN never wins (its row fails anyway)
-        cmax = tl.max(s, 0)
-        ci = tl.min(tl.where(s == cmax, idx, V), 0).to(tl.int64)
-        take = cmax > best  # strictly: an earlier block keeps a tie (lowest id)
-        best_i = tl.where(take, ci, best_i)
-        best = tl.where(take, cmax, best)
-    tok = best_i
-    if HAS_IDS:
-        tok = tl.load(ids_ptr + tok)
-    tl.store(tok_ptr + row * stride_tok, tok)
-    finite = tl.sum(bad, 0) == 0
-    if HAS_OK:
-        finite = finite & (tl.load(ok_ptr + row) != 0)
-    tl.store(flag_ptr + row * stride_flag, finite.to(tl.int64))
+        best, best_i = _argmax_update(s, idx, V, best, best_i)
+    _store_pick(row, best_i, bad, ids_ptr, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr, HAS_IDS, HAS_OK)
 
 
 def greedy_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabulary)
@@ -169,13 +180,7 @@ def greedy_pick(lg: torch.Tensor,  # [B, V] float32 drafter logits (draft vocabu
     argmax of log_softmax(lg), which can differ where two logits round to one value after
     the log-sum shift: either is a valid proposal (verification does not depend on how
     the draft was chosen), and every CUDA drafting path takes this kernel, so they agree."""
-    b, v = lg.shape
-    if lg.dtype != torch.float32 or lg.stride(-1) != 1:
-        raise ValueError("greedy_pick: lg must be float32 and contiguous in the last dim")
-    if ok is not None and ok.stride(0) != 1:
-        raise ValueError("greedy_pick: ok must be contiguous")
-    if ids is not None and ids.shape != (v,):
-        raise ValueError(f"greedy_pick: ids {tuple(ids.shape)} do not match the logits' {v} columns")
+    b, v = _check("greedy_pick", lg, ids, ok)
     if b == 0:
         return
     _greedy_pick_kernel[(b,)](lg, lg.stride(0), ids if ids is not None else lg, tok_out, tok_out.stride(0),
