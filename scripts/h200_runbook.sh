@@ -22,8 +22,8 @@
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
 #   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the verify-probs
-#             kernels' file and the drafter graphs' file, the drafter kernel path among
-#             them), then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with the
+#             and pick kernels' files and the drafter graphs' file, the drafter kernel path
+#             among them), then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with the
 #             drafter's kernel path on and off (MEGATRON_TLT_DRAFTER_KERNELS=1 / 0, random
 #             weights, no target needed; pg_drafter_kernels{1,0}.json)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
@@ -78,7 +78,7 @@ case "$STAGE" in
   kernels)
     # shellcheck disable=SC2086
     timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider \
-        ${KERNEL_TESTS:-tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
+        ${KERNEL_TESTS:-tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
         > "$RESULTS/gpu_tests_kernels.log" 2>&1
     echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_kernels.log"
