@@ -104,7 +104,8 @@ class PackedRows:
 
         with_mask=False leaves attention_mask None (plain causal): only right when each
         row holds one sample (unpacked rows), e.g. for attention kernels that take no
-        arbitrary mask."""
+        arbitrary mask. with_mask=True passes the rows' segment ids: MicroBatch.to builds
+        the block-diagonal causal mask on the device the batch runs on."""
         from megatron_tlt.models.actor import MicroBatch
 
         if self.num_rows % micro_batch_size:
@@ -115,7 +116,7 @@ class PackedRows:
             seg = self.segment_ids[i:j]
             out.append(MicroBatch(tokens=self.tokens[i:j], position_ids=self.position_ids[i:j],
                                   labels=self.labels[i:j], loss_mask=self.loss_mask[i:j],
-                                  attention_mask=block_causal_mask(seg) if with_mask else None))
+                                  segment_ids=seg if with_mask else None))
         return out
 
     @classmethod

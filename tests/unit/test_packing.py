@@ -88,7 +88,11 @@ def test_pack_all_pads_to_a_row_multiple():
     assert rows.num_rows == 4 and rows.num_samples == 5
     assert rows.loss_mask[3].sum() == 0  # the padding row
     mbs = rows.microbatches(2)
-    assert len(mbs) == 2 and mbs[0].attention_mask.shape == (2, 1, 8, 8)
+    assert len(mbs) == 2 and mbs[0].attention_mask is None  # built where the batch runs
+    for i, mb in enumerate(mbs):
+        mask = mb.to("cpu").attention_mask
+        assert mask.shape == (2, 1, 8, 8) and torch.equal(mask, rows.attention_mask()[2 * i:2 * i + 2])
+    assert rows.microbatches(2, with_mask=False)[0].to("cpu").attention_mask is None
 
 
 def test_tokenize_sample_matches_what_the_engine_is_fed():
