@@ -200,9 +200,29 @@ def build_gpt_model(arch: ModelArch, config, *, use_te: Optional[bool] = None,
         rotary_base=arch.rope_theta,
         rotary_percent=1.0,
     )
+    for m in model.modules():
+        if type(m) is torch.nn.RMSNorm:
+            m.__class__ = MixedRMSNorm  # the local spec's norms (no state added)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+class MixedRMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm for the local layer spec's norms, whose weights Megatron-Core builds
+    in float32 whatever params_dtype is (WrappedTorchNorm passes no dtype), under bf16
+    activations. torch's rms_norm with a weight of another dtype warns and takes its
+    composite form (about seven kernels forward, more backward, over float32
+    intermediates); this runs the same math - float32 throughout, rounded once to the
+    input's dtype - as one fused call on the input cast to the weight's dtype. Same bits
+    on CPU (tests/unit/models/test_mixed_rms_norm.py); the weights, the state dict and
+    the checkpoints are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is not None and x.dtype != w.dtype:
+            return F.rms_norm(x.to(w.dtype), self.normalized_shape, w, self.eps).to(x.dtype)
+        return super().forward(x)
 
 
 def gather_logits(logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
