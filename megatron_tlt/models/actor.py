@@ -90,14 +90,16 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, arch: ModelArch,
     engine reports it (rollout/sampling.py: `logprobs` is log_softmax(logits / T))."""
     from megatron.core import tensor_parallel
 
-    logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logits = mask_padded_vocab(logits, arch)
-    # vocab_parallel_cross_entropy wants [s, b, v/tp] / [s, b]; it returns -log p.
-    ce = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                                      labels.transpose(0, 1).contiguous())
-    return -ce.transpose(0, 1)
+    scaled = temperature > 0 and temperature != 1.0
+    # A float32 tensor of our own: the cross entropy below subtracts the row max from its
+    # input in place (a bf16 model's .float() is a new tensor already).
+    x = logits.float() if logits.dtype != torch.float32 or scaled else logits.clone()
+    if scaled:
+        x = x / temperature
+    x = mask_padded_vocab(x, arch)
+    # -log p. Megatron's vocab-parallel cross entropy works row by row over any leading
+    # dims ([b, s, v/tp] with [b, s] labels here: no [s, b] transposed copies of the logits).
+    return -tensor_parallel.vocab_parallel_cross_entropy(x, labels)
 
 
 def lm_loss(logits: torch.Tensor, mb: MicroBatch, arch: ModelArch):

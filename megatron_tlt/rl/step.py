@@ -117,12 +117,14 @@ def actor_logprobs(actor: Actor, mbs: list[MicroBatch], *,
 
     def loss_fn(logits, mb):
         lp = token_logprobs(logits, mb.labels.to(logits.device), arch, temperature)
-        return lp.sum() * 0, {"logp": lp.detach().float().cpu()}
+        # kept on the device until the schedule is done: a copy to the host here would wait
+        # for this micro-batch, and the next one's kernels could not be queued ahead
+        return lp.sum() * 0, {"logp": lp.detach().float()}
 
     out = actor.forward_backward(mbs, loss_fn, forward_only=True)
     if not ps.is_pipeline_last_stage():
         return None
-    return [o["logp"] for o in out]
+    return [o["logp"].cpu() for o in out]
 
 
 def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Optional[list[torch.Tensor]],
