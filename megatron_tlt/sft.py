@@ -245,9 +245,15 @@ class _Trainer:
         nll, tokens = self._run(rows, forward_only=False)
         res = self.opt.step()
         dt = time.perf_counter() - t0
-        return {"loss": nll / max(tokens, 1.0), "lr": lr, "grad_norm": res["grad_norm"],
-                "skipped": bool(res["skipped"]), "samples": rows.num_samples, "tokens": rows.num_tokens,
-                "loss_tokens": int(tokens), "tokens_per_s": rows.num_tokens / dt, "step_time_s": dt}, nxt
+        m = {"loss": nll / max(tokens, 1.0), "lr": lr, "grad_norm": res["grad_norm"],
+             "skipped": bool(res["skipped"]), "samples": rows.num_samples, "tokens": rows.num_tokens,
+             "loss_tokens": int(tokens), "tokens_per_s": rows.num_tokens / dt, "step_time_s": dt}
+        if torch.cuda.is_available():
+            # the allocator's peak and its cumulative retries (a retry frees cached blocks and
+            # synchronises: many of them mean fragmentation is costing step time)
+            m["max_mem_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+            m["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        return m, nxt
 
     def val_loss(self) -> float:
         nll, tokens = self._run(self.val_rows, forward_only=True)

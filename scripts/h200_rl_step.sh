@@ -43,7 +43,8 @@ if [ ! -f "$OUT/sft/hf/config.json" ]; then
       train.save_interval="${SFT_SAVE_INTERVAL:-0}" \
       2>&1 | tee "$OUT/sft_train.log" | tail -n 15
   echo "[h200_rl_step] target done at $(( $(date +%s) - t0 )) s"
-  keep "$OUT/sft_train.log"  # the whole log: the loss every log_interval steps
+  cp "$OUT/sft/metrics.jsonl" "$OUT/sft_metrics.jsonl" 2>/dev/null || true
+  keep "$OUT/sft_train.log" "$OUT/sft_metrics.jsonl"  # the log; loss, step time, tokens/s, memory every 5 steps
   rm -rf "$OUT/sft/checkpoints"  # ~21 GB of model + optimizer state; the HF export is kept
 fi
 if [ "${STOP_AFTER:-}" = target ]; then
