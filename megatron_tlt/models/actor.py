@@ -53,9 +53,7 @@ class MicroBatch:
         device = torch.device(device)
 
         def mv(x):
-            if not isinstance(x, torch.Tensor):
-                return x
-            return to_device(x, device) if x.device.type == "cpu" else x.to(device)
+            return to_device(x, device) if isinstance(x, torch.Tensor) else x
         out = MicroBatch(**{f.name: mv(getattr(self, f.name)) for f in dataclasses.fields(self)
                             if f.name != "extra"}, extra=self.extra)
         if out.segment_ids is not None and out.attention_mask is None:

@@ -26,6 +26,7 @@ import torch
 
 from megatron_tlt.models import mcore
 from megatron_tlt.models.actor import Actor, MicroBatch, token_logprobs
+from megatron_tlt.rollout.host import to_device
 from megatron_tlt.rl.losses import PPOLossConfig, ppo_loss
 
 
@@ -148,9 +149,11 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
         lp = token_logprobs(logits, mb.labels.to(logits.device), arch, temperature)
         dev = lp.device
         mask = mb.loss_mask.to(dev)
-        old = old_logps[k].to(dev)
-        ref = ref_logps[k].to(dev) if ref_logps is not None else None
-        loss, metrics = ppo_loss(lp, old, mb.extra["advantages"].to(dev), mask, cfg, ref_logp=ref,
+        # host tensors through pinned memory, not blocking (a pageable copy would wait for
+        # this micro-batch's forward before the host could queue the loss: rollout/host.py)
+        old = to_device(old_logps[k], dev)
+        ref = to_device(ref_logps[k], dev) if ref_logps is not None else None
+        loss, metrics = ppo_loss(lp, old, to_device(mb.extra["advantages"], dev), mask, cfg, ref_logp=ref,
                                  normalizer=norm)
         # Megatron divides each micro-batch loss by num_microbatches and DDP averages over
         # DP; undo both so the summed gradient is that of the global mean.

@@ -53,9 +53,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     .to("cuda") waits for every kernel queued before it (a speculative step's verify inputs
     would wait for the drafter's replay that was launched to overlap them). The pinned
     staging block comes from torch's caching host allocator, which does not hand it out
-    again until the copy has run."""
+    again until the copy has run. A tensor already on a device takes plain .to()."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.contiguous().pin_memory().to(device, non_blocking=True)  # pin_memory rejects expanded views
 
