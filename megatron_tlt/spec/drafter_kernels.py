@@ -43,11 +43,6 @@ from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, line
                                                 silu_linear_partials)
 
 
-def plan_rows(n: int) -> int:
-    """The row count a step of n rows is planned for: the graphs' bucket (a power of two)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def layer(d,  # EagleDrafter (its weights in the engine's dtype)
           tokens: torch.Tensor,  # [T] int64 target ids
           g: torch.Tensor,  # [T, hidden] fused feature or the drafter's own f

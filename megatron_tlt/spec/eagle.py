@@ -49,7 +49,7 @@ from megatron_tlt.spec.decode import Drafter, row_param, draft_logprobs
 from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV, paged_levels
 from megatron_tlt.spec.eagle_graph import ChainGraphs
 from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
-from megatron_tlt.spec.eagle_graph import fused_pick
+from megatron_tlt.spec.eagle_graph import fused_pick, plan_rows
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -398,6 +398,41 @@ class EagleDrafter(nn.Module):
         x = x + self._lin(F.silu(gate) * up, lay.mlp.down_proj)
         return self._norm(x, self.norm.weight)
 
+    def forward_kv(self, tokens: torch.Tensor,  # [T] int64 target ids
+                   g: torch.Tensor,  # [T, hidden] fused feature or the drafter's own f
+                   positions: torch.Tensor,  # [T] int64 RoPE positions
+                   kv: SlotKV, slots: torch.Tensor, index: torch.Tensor,  # [T] int64 each
+                   *, rows: int,  # the step's planned row count (drafter_kernels.layer)
+                   query: torch.Tensor | None = None,  # rows that go on (default: all)
+                   query_rows: int | None = None,
+                   sanitize: bool = False,
+                   slot_mapping: torch.Tensor | None = None,
+                   context_lens: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer and the head at rollout: every row's K/V written into kv at (slots,
+        index); the `query` rows attend over their slot's keys 0..index and go on. Returns
+        (f, logits, ok). On the Triton kernel path (`kernels_on`: spec/drafter_kernels.py,
+        which takes rows / query_rows / slot_mapping / context_lens) ok is None: a
+        non-finite V fails its row through the logits. On the torch ops with `sanitize`
+        (chain levels) V goes in through nan_to_num, since the slot keeps it past this step
+        (masked, weight exactly 0, and 0 * inf would be NaN), and ok [T] flags the rows whose
+        V was finite (they fail at the next pick, as the per-sequence path did)."""
+        if self.kernels_on(g):
+            from megatron_tlt.spec.drafter_kernels import layer
+            f, lg = layer(self, tokens, g, positions, kv, slots, index, rows=rows, query=query,
+                          query_rows=query_rows, slot_mapping=slot_mapping, context_lens=context_lens)
+            return f, lg, None
+        x, q, k, v = self.layer_qkv(tokens, g, positions)
+        ok = None
+        if sanitize:
+            ok = torch.isfinite(v).flatten(1).all(-1)
+            v = torch.nan_to_num(v)
+        kv.write(slots, index, k, v)
+        if query is not None:
+            x, q, slots, index = (t.index_select(0, query) for t in (x, q, slots, index))
+        f = self.layer_out(x, kv.attend_one(q, slots, index, self.scale))
+        return f, self.logits(f), ok
+
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, head_size] float32 (draft vocabulary)."""
         return linear(f, self.head_weight().to(f.dtype), batch_invariant=self.batch_invariant).float()
@@ -672,17 +707,9 @@ class EagleProposer(Drafter):
         # Only each sequence's last pair goes on (its (f, logits) are all a proposal uses;
         # the other pairs' K/V are written): one query per sequence.
         rows = to_device(int64_tensor(list(last_row.values())), dev)
-        if d.kernels_on(g):  # planned as the graphs' extend of this step's bucket is
-            from megatron_tlt.spec.drafter_kernels import layer, plan_rows
-            bucket = plan_rows(len(seqs))
-            f, lg = layer(d, tokens, g, idx[0] + 1, self.kv, idx[1], idx[0], rows=bucket * QUERY_TILE,
-                          query=rows, query_rows=bucket)
-        else:
-            x, q, k, v = d.layer_qkv(tokens, g, idx[0] + 1)
-            self.kv.write(idx[1], idx[0], k, v)
-            o = self.kv.attend_one(q.index_select(0, rows), idx[1][rows], idx[0][rows], d.scale)
-            f = d.layer_out(x.index_select(0, rows), o)
-            lg = d.logits(f)
+        bucket = plan_rows(len(seqs))  # planned as the graphs' extend of this step's bucket is
+        f, lg, _ = d.forward_kv(tokens, g, idx[0] + 1, self.kv, idx[1], idx[0], rows=bucket * QUERY_TILE,
+                                query=rows, query_rows=bucket)
         for j, i in enumerate(last_row):
             out[i] = (f[j], lg[j])
         return out
@@ -785,11 +812,8 @@ class EagleProposer(Drafter):
         lg = torch.stack([roots[i][1] for i in cur])
         dev = lg.device
         slot_t, base_t = torch.tensor([[st.slot for st in states], [st.num_pairs for st in states]]).to(dev)
-        ok_t = None  # rows whose last level wrote finite V
-        kernels = d.kernels_on(f)
-        if kernels:  # planned for the step's bucket, as the graphs' levels are
-            from megatron_tlt.spec.drafter_kernels import layer, plan_rows
-            bucket = plan_rows(len(seqs))
+        ok_t = None  # rows whose last level wrote finite V (torch ops; forward_kv)
+        bucket = plan_rows(len(seqs))  # planned for the step's bucket, as the graphs' levels are
         level = 0
         while True:
             tok, probs, sampled = self._pick_chain_tokens(seqs, cur, lg)
@@ -812,18 +836,7 @@ class EagleProposer(Drafter):
                 tok, f, slot_t, base_t = tok[sel], f[sel], slot_t[sel], base_t[sel]
                 cur = [cur[r] for r in keep]
             idx = base_t + level
-            if kernels:  # a non-finite V fails the row through its logits (drafter_kernels.py)
-                f, lg = layer(d, tok, f, idx + 1, self.kv, slot_t, idx, rows=bucket)
-            else:
-                x, q, k, v = d.layer_qkv(tok, f, idx + 1)
-                ok_t = torch.isfinite(v).flatten(1).all(-1)
-                # Draft V goes in through nan_to_num: the slot keeps it past this step (masked,
-                # weight exactly 0, and 0 * inf would be NaN); a row whose V was non-finite
-                # fails at the next pick via ok_t, as the per-sequence path did.
-                self.kv.write(slot_t, idx, k, torch.nan_to_num(v))
-                o = self.kv.attend_one(q, slot_t, idx, d.scale)
-                f = d.layer_out(x, o)
-                lg = d.logits(f)
+            f, lg, ok_t = d.forward_kv(tok, f, idx + 1, self.kv, slot_t, idx, rows=bucket, sanitize=True)
             level += 1
 
     def _pick_chain_tokens(self, seqs, cur, lg):

@@ -67,6 +67,13 @@ from megatron_tlt.spec.tree import DraftTree
 
 MAX_BUCKET = 64
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def plan_rows(n: int) -> int:
+    """The row count a step of n sequences is planned for: its bucket (a power of two, as
+    BUCKETS up to MAX_BUCKET), so the eager path's live rows and the graphs' padded ones run
+    the same projection configs (spec/drafter_kernels.py)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
 _TOK, _SLOT, _LO, _N, _KEY, _DRAW = 0, QUERY_TILE, QUERY_TILE + 1, QUERY_TILE + 2, QUERY_TILE + 3, QUERY_TILE + 4
 _NCOL = QUERY_TILE + 5
 
@@ -371,17 +378,8 @@ class ChainGraphs:
         # the chain needs of them (as in the eager extend).
         root = torch.arange(bucket, device=dev) * QUERY_TILE + n - 1
         base = lo + n
-        kernels = d.kernels_on(feats)  # the Triton kernel path (spec/drafter_kernels.py)
-        if kernels:
-            from megatron_tlt.spec.drafter_kernels import layer
-            f, lg = layer(d, tile_tokens, feats, (pair + 1).clamp(max=top), kv, tile_slots, pair,
-                          rows=bucket * QUERY_TILE, query=root, query_rows=bucket)
-        else:
-            x, q, k, v = d.layer_qkv(tile_tokens, feats, (pair + 1).clamp(max=top))
-            kv.write(tile_slots, pair, k, v)
-            o = kv.attend_one(q.index_select(0, root), slot, base - 1, d.scale)
-            f = d.layer_out(x.index_select(0, root), o)
-            lg = d.logits(f)
+        f, lg, _ = d.forward_kv(tile_tokens, feats, (pair + 1).clamp(max=top), kv, tile_slots, pair,
+                                rows=bucket * QUERY_TILE, query=root, query_rows=bucket)
         out_ints = torch.zeros(bucket, 2 * depth, dtype=torch.int64, device=dev)
         out = {"ints": out_ints}
         sampled = setting[0] == "sampled"
@@ -396,9 +394,9 @@ class ChainGraphs:
         elif sampled:
             out["probs"] = torch.zeros(bucket, depth + 1, a.vocab_size, dtype=torch.float32, device=dev)
         ok = None
-        if kernels and depth > 1:  # every level's K/V index, position and flat destination at once
+        if depth > 1:  # every level's K/V index, key count, position and flat destination at once
             lvl_idx = base[None, :] + torch.arange(depth - 1, device=dev)[:, None]  # [depth - 1, bucket]
-            lvl_ctx = lvl_idx + 1  # keys each level's query sees
+            lvl_ctx = lvl_idx + 1
             lvl_pos = lvl_ctx.clamp(max=top)
             lvl_map = torch.add(lvl_idx, slot[None, :], alpha=kv.capacity)
         for lvl in range(depth):
@@ -426,17 +424,8 @@ class ChainGraphs:
                 out_ints[:, depth + lvl] = finite.long()
             if lvl == depth - 1:
                 break
-            if kernels:  # a non-finite V fails the row through its logits
-                f, lg = layer(d, tok, f, lvl_pos[lvl], kv, slot, lvl_idx[lvl], rows=bucket,
-                              slot_mapping=lvl_map[lvl], context_lens=lvl_ctx[lvl])
-                continue
-            idx = base + lvl
-            x, q, k, v = d.layer_qkv(tok, f, (idx + 1).clamp(max=top))
-            ok = torch.isfinite(v).flatten(1).all(-1)
-            kv.write(slot, idx, k, torch.nan_to_num(v))
-            o = kv.attend_one(q, slot, idx, d.scale)
-            f = d.layer_out(x, o)
-            lg = d.logits(f)
+            f, lg, ok = d.forward_kv(tok, f, lvl_pos[lvl], kv, slot, lvl_idx[lvl], rows=bucket, sanitize=True,
+                                     slot_mapping=lvl_map[lvl], context_lens=lvl_ctx[lvl])
         # For a verification that reads the drafts on the device (ChainLaunch.settle): a
         # row with a non-finite level fails (as collect decides for full-depth chains), and
         # its tokens are replaced by 0 so they stay valid ids for the target's forward.

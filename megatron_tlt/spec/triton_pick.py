@@ -38,6 +38,16 @@ _BLOCK = 1024
 
 
 @triton.jit
+def _load_block(src, start, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns start..start + BLOCK of a row of V logits: (indices, in-row mask, float32
+    values (0 past V), 1 per non-finite value else 0)."""
+    idx = start + tl.arange(0, BLOCK)
+    ok = idx < V
+    x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
+    return idx, ok, x, tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
+
+
+@triton.jit
 def _argmax_update(score, idx, V, best, best_i):
     """Fold one block's maximum into the running (best, best_i): the lowest index of the
     block's maximum, kept only when strictly greater (an earlier block keeps a tie)."""
@@ -75,10 +85,8 @@ def _chain_pick_kernel(lg_ptr, stride_lg, temp_ptr, keys_ptr, stride_keys, draws
     z = tl.zeros((BLOCK,), tl.float32)
     bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
-        bad += tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
+        idx, ok, x, nonfinite = _load_block(src, start, V, BLOCK)
+        bad += nonfinite
         s = tl.where(ok, x / t, float("-inf"))
         m_new = tl.maximum(m, s)
         z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
@@ -93,9 +101,7 @@ def _chain_pick_kernel(lg_ptr, stride_lg, temp_ptr, keys_ptr, stride_keys, draws
     best = tl.full((), -1.0, tl.float32)
     best_i = tl.full((), 0, tl.int64)
     for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
+        idx, ok, x, _ = _load_block(src, start, V, BLOCK)
         q = tl.exp(x / t - mx) / zz
         if HAS_IDS:
             dst = tl.load(ids_ptr + idx, mask=ok, other=0)
@@ -159,10 +165,8 @@ def _greedy_pick_kernel(lg_ptr, stride_lg, ids_ptr, tok_ptr, stride_tok, flag_pt
     best_i = tl.full((), 0, tl.int64)
     bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, V, BLOCK):
-        idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
-        x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
-        bad += tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
+        idx, ok, x, nonfinite = _load_block(src, start, V, BLOCK)
+        bad += nonfinite
         s = tl.where(ok & (x == x), x, float("-inf"))  # NaN never wins (its row fails anyway)
         best, best_i = _argmax_update(s, idx, V, best, best_i)
     _store_pick(row, best_i, bad, ids_ptr, tok_ptr, stride_tok, flag_ptr, stride_flag, ok_ptr, HAS_IDS, HAS_OK)
