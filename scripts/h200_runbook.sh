@@ -78,15 +78,18 @@ case "$STAGE" in
   kernels)
     # shellcheck disable=SC2086
     timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider \
-        ${KERNEL_TESTS:-tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
+        ${KERNEL_TESTS:-tests/gpu/test_triton_sample_gpu.py tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
         > "$RESULTS/gpu_tests_kernels.log" 2>&1
     echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_kernels.log"
+    # k=1: the drafter's layer kernels and the fused decode sampler on; k=0: both off (the
+    # plain decode column times the sampler, the draft-chain graph the drafter kernels)
     for k in 1 0; do
       [ "$(left)" -gt 60 ] || break
-      MEGATRON_TLT_DRAFTER_KERNELS=$k timeout "$(left)" $PY tools/profile_generate.py --shape 1.5b \
+      MEGATRON_TLT_DRAFTER_KERNELS=$k MEGATRON_TLT_FUSED_SAMPLE=$k timeout "$(left)" $PY \
+          tools/profile_generate.py --shape 1.5b \
           --batch-sizes 1,32 --json "$RESULTS/pg_drafter_kernels$k.json" 2>&1 | grep -v -i warn | tail -n 12
-      echo "[runbook] kernels profile (drafter kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
+      echo "[runbook] kernels profile (drafter kernels and fused sampler $k): rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
   gputests)
     # shellcheck disable=SC2086

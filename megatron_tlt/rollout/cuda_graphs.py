@@ -77,7 +77,7 @@ from megatron_tlt.rollout.gpu_model import DecodeModel
 from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
-from megatron_tlt.rollout.sampling import exponential_noise, sample
+from megatron_tlt.rollout.sampling import sample_streams
 from megatron_tlt.rollout.triton_attention import block_n_for, choose_num_splits, num_sms, splits_for
 from megatron_tlt.rollout.triton_linear import LinearPlanner
 
@@ -708,9 +708,10 @@ class DecodeRunner:
 
     def sample_greedy(self, seqs, logits: torch.Tensor,  # [B, vocab] float32
                       ) -> tuple[torch.Tensor, list[int], list[float], list[float]] | None:
-        """Greedy tokens on the device with one host sync, exactly as `sampling.sample`
-        computes greedy rows (argmax of the banned logits, lowest id on ties; logprob from
-        log_softmax of the unbanned logits): (tokens [B], token ids, logprobs, processed
+        """Greedy tokens on the device with one host sync, as the engine's generic path
+        computes greedy rows (`sampling.sample_streams` at temperature 0: argmax of the
+        banned logits, lowest id on ties; logprob from log_softmax of the unbanned logits;
+        the same function, so the same bits): (tokens [B], token ids, logprobs, processed
         logprobs = 0.0). None unless every request is greedy."""
         for seq in seqs:
             if seq.request.sampling_params.temperature > 0:
@@ -722,15 +723,16 @@ class DecodeRunner:
             if ban:
                 rows.extend([i] * len(ban))
                 cols.extend(sorted(ban))
-        proc = logits
+        b, dev = logits.shape[0], logits.device
+        banned = None
         if rows:
-            proc = logits.clone()
-            proc[torch.tensor(rows, device=logits.device),
-                 torch.tensor(cols, device=logits.device)] = float("-inf")
-        tokens = torch.argmax(proc, dim=-1)
-        lps = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        host = torch.stack([tokens.to(torch.float64), lps.to(torch.float64)]).tolist()
-        return tokens, [int(t) for t in host[0]], host[1], [0.0] * len(seqs)
+            banned = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+            banned[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = True
+        zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+        s = sample_streams(logits, torch.zeros(b, dtype=torch.float32, device=dev), zeros, zeros,
+                           banned=banned)
+        host = torch.stack([s.token_ids.to(torch.float64), s.logprobs.to(torch.float64)]).tolist()
+        return s.token_ids, [int(t) for t in host[0]], host[1], [0.0] * len(seqs)
 
     def sample_fast(self, seqs, logits: torch.Tensor,  # [B, vocab] float32
                     ) -> tuple[torch.Tensor, list[int], list[float], list[float]] | None:
@@ -784,9 +786,8 @@ class DecodeRunner:
         """The generic path's sampling ops on the static inputs of `bucket` rows (no host
         sync: capturable); results into the static output buffer."""
         x = self._sin[:bucket]
-        noise = exponential_noise(x[:, _KEY], x[:, _DRAW], self.vocab_size, self.device)
         temperature = x[:, _TEMP].view(torch.float64).float()
-        s = sample(logits, temperature, None, None, noise)
+        s = sample_streams(logits, temperature, x[:, _KEY], x[:, _DRAW])
         o = self._sout[:bucket]
         o[:, _TOKEN].copy_(s.token_ids)
         o[:, _LP].view(torch.float64).copy_(s.logprobs)

@@ -41,8 +41,8 @@ from megatron_tlt.rollout.host import int64_tensor, limit_host_threads, to_devic
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.model import ForwardOutput, InferenceModel
 from megatron_tlt.rollout.request import HIDDEN_KINDS, Request, Result
-from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, exponential_noise,
-                                           has_triton, make_noise_stream, sample)
+from megatron_tlt.rollout.sampling import (SamplingParams, StopChecker, has_triton,
+                                           make_noise_stream, sample_streams)
 from megatron_tlt.rollout.scheduler import Scheduler, Sequence
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -394,33 +394,29 @@ class RolloutEngine:
                     self.append_token(seq, token_list[i], lps[i], plps[i])
                 return tokens
         b, v = logits.shape
-        temps, top_k, top_p, rows, keys, draws = [], [], [], [], [], []
+        temps, top_k, top_p, keys, draws = [], [], [], [], []
         banned = None
         for i, seq in enumerate(seqs):
             p = seq.request.sampling_params
             temps.append(float(p.temperature))
             top_k.append(int(p.top_k))
             top_p.append(float(p.top_p))
-            if p.temperature > 0:  # the request's one draw, made below with the others
-                rows.append(i)
+            if p.temperature > 0:  # the request's one draw; greedy rows take none
                 keys.append(seq.rng.key)
                 draws.append(seq.rng.take())
+            else:
+                keys.append(0)
+                draws.append(0)
             ban = seq.stop.banned_ids(seq.num_output)
             if ban:
                 if banned is None:
                     banned = torch.zeros(b, v, dtype=torch.bool)
                 banned[i, list(ban)] = True
         dev = logits.device
-        if len(rows) == b:
-            noise = exponential_noise(torch.tensor(keys), torch.tensor(draws), v, dev)
-        else:  # greedy rows take no noise (theirs is unused)
-            noise = torch.ones(b, v, dtype=torch.float32, device=dev)
-            if rows:
-                noise[torch.tensor(rows, device=dev)] = exponential_noise(
-                    torch.tensor(keys), torch.tensor(draws), v, dev)
-        out = sample(logits, torch.tensor(temps, device=dev), torch.tensor(top_k, device=dev),
-                     torch.tensor(top_p, device=dev), noise,
-                     None if banned is None else banned.to(dev))
+        out = sample_streams(logits, torch.tensor(temps, device=dev), torch.tensor(keys, device=dev),
+                             torch.tensor(draws, device=dev), top_k=torch.tensor(top_k, device=dev),
+                             top_p=torch.tensor(top_p, device=dev),
+                             banned=None if banned is None else banned.to(dev))
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist()
         plps = out.processed_logprobs.tolist()

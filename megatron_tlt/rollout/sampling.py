@@ -241,6 +241,59 @@ def sample(logits: torch.Tensor,  # [B, vocab] float32
     return SampleOutput(token_ids=tokens, logprobs=lp, processed_logprobs=plp)
 
 
+def _fused_sample() -> bool:
+    return os.environ.get("MEGATRON_TLT_FUSED_SAMPLE", "1") != "0" and has_triton()
+
+
+def sample_streams(logits: torch.Tensor,  # [B, vocab] float32
+                   temperature: torch.Tensor,  # [B] float32, 0 = greedy
+                   keys: torch.Tensor,  # [B] int64: each row's noise stream (unread for greedy rows)
+                   draws: torch.Tensor,  # [B] int64: the draw each sampled row takes
+                   *, top_k: torch.Tensor | None = None,  # [B] int64, <= 0 disables
+                   top_p: torch.Tensor | None = None,  # [B] float32, >= 1 disables
+                   banned: torch.Tensor | None = None,  # [B, vocab] bool
+                   ) -> SampleOutput:
+    """`sample` with each sampled row's Exp(1) noise drawn from its stream: what every
+    engine path calls. On a CUDA device with Triton the rows with no top-k, top-p or ban
+    go through the fused sampler (rollout/triton_sample.py: noise drawn in place, three
+    launches, its own softmax roundings) and the others, if any, through `sample`; a row's
+    result depends only on the row either way. Elsewhere (CPU: the reference),
+    or with MEGATRON_TLT_FUSED_SAMPLE=0, `sample` on every row.
+
+    Without top_k / top_p / banned there is no host sync (capturable)."""
+    if (top_k is None) != (top_p is None):
+        raise ValueError("sample_streams: top_k and top_p must both be tensors or both be None")
+    b, vocab = logits.shape
+    dev = logits.device
+    unfiltered = top_k is None and banned is None
+    if dev.type == "cuda" and _fused_sample():
+        from megatron_tlt.rollout.triton_sample import sample_fused
+        tok, lp, plp = sample_fused(logits, temperature.float(), keys, draws)
+        fused = SampleOutput(token_ids=tok, logprobs=lp, processed_logprobs=plp)
+        if unfiltered:
+            return fused
+        filt = torch.zeros(b, dtype=torch.bool, device=dev)
+        if top_k is not None:
+            filt |= ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+        if banned is not None:
+            filt |= banned.any(dim=-1)
+        if not bool(filt.any()):
+            return fused
+        ref = sample(logits, temperature, top_k, top_p,
+                     exponential_noise(keys, draws, vocab, dev), banned)
+        return SampleOutput(*(torch.where(filt, r, f) for r, f in
+                              ((ref.token_ids, fused.token_ids), (ref.logprobs, fused.logprobs),
+                               (ref.processed_logprobs, fused.processed_logprobs))))
+    if unfiltered and dev.type == "cuda":  # capturable: noise for every row (greedy rows' unread)
+        noise = exponential_noise(keys, draws, vocab, dev)
+    else:  # noise for the sampled rows only (on a GPU one host sync: the generic path)
+        noise = torch.ones(b, vocab, dtype=torch.float32, device=dev)
+        rows = (temperature > 0).nonzero()[:, 0]
+        if rows.numel():
+            noise[rows] = exponential_noise(keys[rows], draws[rows], vocab, dev)
+    return sample(logits, temperature, top_k, top_p, noise, banned)
+
+
 class StopChecker:
     """Decides after each new token whether a request is finished."""
 

@@ -39,20 +39,33 @@ def _mix64(z, M1, M2):
 
 
 @triton.jit
+def stream_base(keys_ptr, draws_ptr, row, GOLDEN, M1, M2):
+    """The row's stream position: SplitMix64 of (key, draw), as uint64."""
+    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+    draw = tl.load(draws_ptr + row).to(tl.uint64, bitcast=True)
+    return _mix64(key + (draw + 1) * GOLDEN, M1, M2)
+
+
+@triton.jit
+def exp_noise_at(base, idx, GOLDEN, M1, M2, TINY):
+    """Exp(1) noise of indices `idx` of the stream at `base` (float32): the reference's
+    bits, the float64 log, the rounding and the clamp (module docstring). Shared with the
+    fused sampler (triton_sample.py), so both draw the same numbers."""
+    bits = _mix64(base + (idx.to(tl.uint64) + 1) * GOLDEN, M1, M2)
+    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53
+    e = (-tl.log(u)).to(tl.float32)
+    return tl.maximum(e, TINY)
+
+
+@triton.jit
 def _exp_noise_kernel(keys_ptr, draws_ptr, out_ptr, n, stride_out, GOLDEN, M1, M2, TINY,
                       BLOCK: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
-    draw = tl.load(draws_ptr + row).to(tl.uint64, bitcast=True)
-    base = _mix64(key + (draw + 1) * GOLDEN, M1, M2)
+    base = stream_base(keys_ptr, draws_ptr, row, GOLDEN, M1, M2)
     idx = blk * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    bits = _mix64(base + (idx.to(tl.uint64) + 1) * GOLDEN, M1, M2)
-    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53
-    e = (-tl.log(u)).to(tl.float32)
-    e = tl.maximum(e, TINY)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + idx, e, mask=ok)
+    e = exp_noise_at(base, idx, GOLDEN, M1, M2, TINY)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + idx, e, mask=idx < n)
 
 
 def exponential_noise_fused(keys: torch.Tensor,  # [B] int64, on the output's device

@@ -1,0 +1,225 @@
+"""The decode step's sampler in three Triton kernels: `sampling.sample` without top-k, top-p
+or a ban, with the exponential-race noise drawn inside (`sampling.sample_streams`
+dispatches here on a CUDA device; MEGATRON_TLT_FUSED_SAMPLE=0 keeps the torch ops).
+
+Why: the torch sampler is about ten passes over [B, vocab] float32 (x / T, log_softmax,
+two argmaxes, exp, the division by the noise, the noise kernel itself), and torch's
+softmax and argmax run one thread block per row. On the H200 at batch 1 and a 151,936
+vocabulary that was ~95 us of a 1.77 ms decode step (two softmax launches of 34 us each,
+benchmarks/results/gpu_2026-12-04_session17/pg_kernels_a7be282.json), ~5 % of the
+step for 600 KB of logits. Here each row is split into fixed parts of `_CHUNK` columns,
+one program each:
+
+1. `_stats_kernel`: per part, the max and the sum of exp(s - max) of s = x / T;
+2. `_race_kernel`: every program combines its row's part statistics the same way (M, log
+   Z), computes lp_i = (s_i - M) - log Z and the score of each column -- s_i for a greedy
+   row, exp(lp_i) / E_i for a sampled one, E_i the request's Exp(1) noise computed in
+   place from (key, draw, i) by `triton_noise.exp_noise_at` (the bits
+   `sampling.exponential_noise` gives) -- and writes its part's best column;
+3. `_pick_kernel`: per row, the best of the parts' bests, its logprob lp_token (from the
+   same combine, so the same bits as the score used), and the processed logprob (lp for
+   a sampled row: no filter, no ban; 0.0 for a greedy one).
+
+The same definitions as the reference sampler (sampling.py): tokens = argmax of the
+scores with the lowest id on ties and a NaN score winning (torch.argmax's rules), logprob
+= log_softmax(x / T)[token] with T = 1 for greedy rows. The roundings are the kernels':
+x / T is IEEE division (torch's quotient), exp and log are libdevice's (what torch's CUDA
+exp and log compile to), but Z is summed in another order than torch's softmax, so a
+logprob may differ from torch's in the last bits, and a sampled token may differ where
+two scores lie within that rounding of each other. Either way every row is an exact
+exponential race over the kernels' own softmax, and a row's results depend only on the
+row (the parts are fixed by the vocabulary, not by the batch): the same seed gives the
+same tokens whatever else is in the batch, which is what `sample_streams` relies on when
+it sends the rows without filters here and the others through the torch ops.
+
+Imported only where triton is (CUDA paths, interpreter tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from megatron_tlt.rollout.triton_noise import _GOLDEN, _MIX1, _MIX2, exp_noise_at, stream_base
+
+_BLOCK = 1024
+_CHUNK = 2048
+"""Columns per program: 75 parts for a 151,936 vocabulary (enough programs at batch 1),
+fixed so that a row's results never depend on the batch."""
+_BIG = tl.constexpr(2 ** 31 - 1)
+
+# exp and log as torch's CUDA ops compute them (libdevice's expf / logf; tl.exp lowers to
+# the approximate ex2 on NVIDIA GPUs). Triton's interpreter has no libdevice: NumPy's
+# functions stand in there (the CPU tests compare within rounding).
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _exp(x):
+    if _INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _log(x):
+    if _INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
+def _row_temp(temp_ptr, row):
+    """(the temperature to divide by, greedy?): T = 0 is greedy and divides by 1."""
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    return tl.where(t > 0, t, 1.0), t <= 0
+
+
+@triton.jit(do_not_specialize=["stride_x"])
+def _stats_kernel(x_ptr, stride_x, temp_ptr, pm_ptr, pz_ptr, V,
+                  BLOCK: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    t, _ = _row_temp(temp_ptr, row)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for off in tl.static_range(0, CHUNK, BLOCK):
+        idx = part * CHUNK + off + tl.arange(0, BLOCK)
+        ok = idx < V
+        s = tl.math.div_rn(tl.load(x_ptr + row * stride_x + idx, mask=ok, other=float("-inf")), t)
+        bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN or +inf: Z is NaN (torch's too)
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        z = z * _exp(m - m_safe) + _exp(s - m_safe)
+        m = m_new
+    mx = tl.max(m, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    zz = tl.sum(tl.where(m == float("-inf"), 0.0, z * _exp(m - mx_safe)), 0)
+    zz = tl.where(tl.sum(bad, 0) > 0, float("nan"), zz)
+    tl.store(pm_ptr + row * SPLIT + part, mx)
+    tl.store(pz_ptr + row * SPLIT + part, zz)
+
+
+@triton.jit
+def _row_norm(pm_ptr, pz_ptr, row, nparts, SPLIT: tl.constexpr):
+    """The row's (M, log Z) from its parts' statistics: every caller, the same bits."""
+    parts = tl.arange(0, SPLIT)
+    okp = parts < nparts
+    pm = tl.load(pm_ptr + row * SPLIT + parts, mask=okp, other=float("-inf"))
+    pz = tl.load(pz_ptr + row * SPLIT + parts, mask=okp, other=0.0)
+    mx = tl.max(pm, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    zz = tl.sum(tl.where(pm == float("-inf"), 0.0, pz * _exp(pm - mx_safe)), 0)
+    zz = tl.where(tl.sum(tl.where(pz != pz, 1, 0), 0) > 0, float("nan"), zz)
+    return mx, _log(zz)
+
+
+@triton.jit(do_not_specialize=["stride_x"])
+def _race_kernel(x_ptr, stride_x, temp_ptr, keys_ptr, draws_ptr, pm_ptr, pz_ptr, bv_ptr, bi_ptr,
+                 V, nparts, GOLDEN, M1, M2, TINY,
+                 BLOCK: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    t, greedy = _row_temp(temp_ptr, row)
+    mx, lz = _row_norm(pm_ptr, pz_ptr, row, nparts, SPLIT)
+    base = stream_base(keys_ptr, draws_ptr, row, GOLDEN, M1, M2)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_i = tl.full((BLOCK,), _BIG, tl.int32)
+    nan_i = tl.full((BLOCK,), _BIG, tl.int32)
+    for off in tl.static_range(0, CHUNK, BLOCK):
+        idx = part * CHUNK + off + tl.arange(0, BLOCK)
+        ok = idx < V
+        s = tl.math.div_rn(tl.load(x_ptr + row * stride_x + idx, mask=ok, other=float("-inf")), t)
+        if greedy:
+            score = s
+        else:
+            lp = (s - mx) - lz
+            score = tl.math.div_rn(_exp(lp), exp_noise_at(base, idx, GOLDEN, M1, M2, TINY))
+        nan_i = tl.minimum(nan_i, tl.where(ok & (score != score), idx, _BIG))
+        better = ok & (score > best)  # strict: a lane keeps its lowest column on ties
+        best_i = tl.where(better, idx, best_i)
+        best = tl.where(better, score, best)
+        # a lane whose columns are all -inf keeps its first valid one
+        best_i = tl.where(ok & (best_i == _BIG) & (score == float("-inf")), idx, best_i)
+    top = tl.max(best, 0)
+    top_i = tl.min(tl.where(best == top, best_i, _BIG), 0)
+    first_nan = tl.min(nan_i, 0)
+    has_nan = first_nan < _BIG
+    tl.store(bv_ptr + row * SPLIT + part, tl.where(has_nan, float("nan"), top))
+    tl.store(bi_ptr + row * SPLIT + part, tl.where(has_nan, first_nan, top_i))
+
+
+@triton.jit(do_not_specialize=["stride_x"])
+def _pick_kernel(x_ptr, stride_x, temp_ptr, pm_ptr, pz_ptr, bv_ptr, bi_ptr, tok_ptr, lp_ptr, plp_ptr,
+                 nparts, SPLIT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, SPLIT)
+    okp = parts < nparts
+    bv = tl.load(bv_ptr + row * SPLIT + parts, mask=okp, other=float("-inf"))
+    bi = tl.load(bi_ptr + row * SPLIT + parts, mask=okp, other=_BIG)
+    # parts are in column order: the first part holding a NaN, else the first holding the max
+    nan_part = tl.min(tl.where(okp & (bv != bv), parts, SPLIT), 0)
+    top = tl.max(tl.where(bv != bv, float("-inf"), bv), 0)
+    top_part = tl.min(tl.where(okp & (bv == top), parts, SPLIT), 0)
+    pick = tl.where(nan_part < SPLIT, nan_part, top_part)
+    tok = tl.sum(tl.where(parts == pick, bi, 0), 0)
+    t, greedy = _row_temp(temp_ptr, row)
+    mx, lz = _row_norm(pm_ptr, pz_ptr, row, nparts, SPLIT)
+    s = tl.math.div_rn(tl.load(x_ptr + row * stride_x + tok), t)
+    lp = (s - mx) - lz
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, lp)
+    tl.store(plp_ptr + row, tl.where(greedy, 0.0, lp))
+
+
+def _split(v: int) -> tuple[int, int]:
+    """(parts per row, the power of two >= it that sizes the per-row statistics)."""
+    parts = max(1, -(-v // _CHUNK))
+    return parts, max(16, 1 << (parts - 1).bit_length())
+
+
+def sample_fused(logits: torch.Tensor,  # [B, V] float32, rows contiguous (any row stride)
+                 temperature: torch.Tensor,  # [B] float32, 0 = greedy
+                 keys: torch.Tensor,  # [B] int64: the rows' noise streams (ignored for greedy rows)
+                 draws: torch.Tensor,  # [B] int64
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B] int64, logprobs [B] float32, processed logprobs [B] float32): three
+    launches, no host sync (capturable). Module docstring for the definitions."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"sample_fused: logits must be [B, V] float32 with contiguous rows, got "
+                         f"{logits.dtype}{tuple(logits.shape)} strides {logits.stride()}")
+    b, v = logits.shape
+    for name, x, dt in (("temperature", temperature, torch.float32), ("keys", keys, torch.int64),
+                        ("draws", draws, torch.int64)):
+        if tuple(x.shape) != (b,) or x.dtype != dt:
+            raise ValueError(f"sample_fused: {name} must be [{b}] {dt}, got {x.dtype}{tuple(x.shape)}")
+    temperature, keys, draws = temperature.contiguous(), keys.contiguous(), draws.contiguous()
+    dev = logits.device
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
+    plp = torch.empty(b, dtype=torch.float32, device=dev)
+    if b == 0:
+        return tokens, lp, plp
+    if v == 0:
+        raise ValueError("sample_fused: empty vocabulary")
+    parts, split = _split(v)
+    stride = logits.stride(0) if b > 1 else v
+    pm = torch.empty(b, split, dtype=torch.float32, device=dev)
+    pz = torch.empty_like(pm)
+    bv = torch.empty_like(pm)
+    bi = torch.empty(b, split, dtype=torch.int32, device=dev)
+    _stats_kernel[(b, parts)](logits, stride, temperature, pm, pz, v,
+                              BLOCK=_BLOCK, CHUNK=_CHUNK, SPLIT=split, num_warps=4)
+    _race_kernel[(b, parts)](logits, stride, temperature, keys, draws, pm, pz, bv, bi, v, parts,
+                             _GOLDEN, _MIX1, _MIX2, torch.finfo(torch.float32).tiny,
+                             BLOCK=_BLOCK, CHUNK=_CHUNK, SPLIT=split, num_warps=4)
+    _pick_kernel[(b,)](logits, stride, temperature, pm, pz, bv, bi, tokens, lp, plp, parts,
+                       SPLIT=split, num_warps=1)
+    return tokens, lp, plp
