@@ -112,8 +112,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # Row tiles vary fastest: the programs that share a weight slab run side by side, so
+    # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
+    # and from L2 after (with one row tile the launch order is the (n, split) order).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     split = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -209,7 +212,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
         raise ValueError(f"triton linear: fma configs serve one row without a prologue, got {m} rows (prologue {pro})")
     block_m = cfg.block_m if dot else 1
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.splits)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
     res = residual if residual is not None else weight
     _linear_kernel[grid](src, weight, out, m, n, k, stride_xm, weight.stride(0),
                          out.stride(0), out.stride(1), k_split, stride_xs,
@@ -253,7 +256,11 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
     return out, new_res
 
 
-_MAX_TRITON_ROWS = 64
+_MAX_TRITON_ROWS = 256
+"""Rows up to which Triton configs are timed against cuBLAS: decode batches, and the
+verify forward's B x Q rows (batch 32 at Q = 5: 160, where cuBLAS read the 1.5B
+weights at ~2 TB/s in session 17's profile: ~1.3 of the verify forward's 2.4 ms)."""
+_ONE_TILE_ROWS = 64
 
 
 def _row_bucket(m: int) -> int:
@@ -264,6 +271,18 @@ def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
     """The configs the planner times for an [m, k] x [n, k] product (cuBLAS first)."""
     out = [CUBLAS]
     if m > _MAX_TRITON_ROWS:
+        return out
+    if m > _ONE_TILE_ROWS:
+        # Several row tiles of 64 or 128 (tensor-core tiles of Hopper's warpgroup MMA), a
+        # weight slab shared by the row tiles through L2 (the grid runs them side by side).
+        for block_m in (64, 128):
+            for block_n in (64, 128):
+                for splits in (1, 2, 4):
+                    if k // splits < 256:
+                        continue
+                    out.append(LinearConfig("dot", block_m=block_m, block_n=block_n, block_k=64,
+                                            splits=splits, num_warps=8 if block_m * block_n > 8192 else 4,
+                                            num_stages=4))
         return out
     block_m = max(16, 1 << (m - 1).bit_length())
     for block_n in (16, 32, 64):

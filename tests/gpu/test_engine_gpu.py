@@ -223,7 +223,7 @@ def test_fused_small_kernels_match_reference(dt):
         assert not kf[untouched].any() and not vf[untouched].any()
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 32])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 160])
 @pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960),
                                  (4608, 3584)])
 def test_triton_linear_configs_match_float32_product(m, n, k):

@@ -22,12 +22,13 @@ from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, can
 from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
 
 CONFIGS = [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=1),
+           LinearConfig("dot", block_m=16, block_n=32, block_k=64, splits=2),  # several row tiles at m=17
            LinearConfig("dot", block_m=32, block_n=32, block_k=64, splits=3),
            LinearConfig("fma", block_m=1, block_n=4, block_k=64, splits=2),
            LinearConfig("fma", block_m=1, block_n=8, block_k=128, splits=1)]
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 33, 512), (17, 20, 130)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 300), (3, 33, 512), (17, 20, 130), (40, 24, 260)])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_linear_partials_sum_to_the_product(m, n, k, cfg):
     if cfg.kind == "fma" and m != 1:
@@ -140,7 +141,10 @@ def test_candidate_configs_and_cpu_planner():
     cands = candidate_configs(1, 2048, 1536)
     assert cands[0].kind == "cublas" and any(c.kind == "fma" for c in cands)
     assert all(c.kind != "fma" for c in candidate_configs(8, 2048, 1536))
-    assert candidate_configs(128, 2048, 1536) == [candidate_configs(128, 2048, 1536)[0]]
+    many = candidate_configs(160, 2048, 1536)  # a verify step's rows: several row tiles
+    assert many[0].kind == "cublas" and len(many) > 1
+    assert all(c.kind == "dot" and c.block_m in (64, 128) for c in many[1:])
+    assert candidate_configs(257, 2048, 1536) == [candidate_configs(257, 2048, 1536)[0]]
     x, w = torch.zeros(1, 8), torch.zeros(4, 8)
     assert LinearPlanner().config(x, w).kind == "cublas"  # no timing on CPU
     assert F.linear(x, w).shape == linear_partials(x, w, LinearPlanner().config(x, w))[0].shape
