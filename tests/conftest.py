@@ -4,6 +4,8 @@
 - torch uses a few intra-op threads and one inter-op thread: CI has 2 cores, and
   multi-process tests must not oversubscribe them.
 - `free_port`: an unused TCP port on 127.0.0.1.
+- MEGATRON_TLT_RECORD_KERNELS=FILE records every interpreted Triton launch for
+  tools/triton_compile_check.py (compiles them for sm_90 without a GPU).
 - `run_torchrun(script, nproc, args=(), timeout=300)`: run a script under
   `python -m torch.distributed.run` on this host; a non-zero exit (or a timeout) fails
   the test with the tail of the output.
@@ -24,6 +26,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU_TESTS = REPO_ROOT / "tests" / "gpu"
 OUTPUT_TAIL_CHARS = 6000
+
+if os.environ.get("MEGATRON_TLT_RECORD_KERNELS"):  # tools/triton_compile_check.py, step 1
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from triton_compile_check import install_recorder
+
+    install_recorder(os.environ["MEGATRON_TLT_RECORD_KERNELS"])
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 try:
