@@ -20,8 +20,12 @@ Split-K ("flash decoding"): with few sequences the (sequence, KV head) grid is f
 smaller than the GPU, so the context is cut into `num_splits` contiguous chunks (a
 multiple of BLOCK_N, sized from each sequence's own context length inside the kernel, so
 the grid is static and CUDA-graph safe while lengths vary); each split writes an
-unnormalised partial output with its running max and sum, and `_combine_kernel` merges
-them with the usual log-sum-exp rescaling. `num_splits == 1` writes the output directly.
+unnormalised partial output with its running max and sum, and the last split program of
+each row tile to finish (an atomic counter per tile) merges them with the usual
+log-sum-exp rescaling, in split order, so the result does not depend on which finished
+last (`_combine_kernel`, a second launch, with MEGATRON_TLT_FUSED_COMBINE=0). Session 17's
+H200 profile: the combine launch took 2.1 us per layer at batch 1 and 7.6 us at a batch-32
+verify (Q = 5), 28 layers a step. `num_splits == 1` writes the output directly.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -75,9 +79,40 @@ MAX_BLOCK_M = 64
 _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 
 
+@triton.jit
+def _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
+                  stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh,
+                  num_splits, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """The output rows (tok, head) from every split's partial output, max and sum, merged
+    in split order (the last split program of a row tile runs this: _paged_attention_kernel).
+    Loads bypass L1 (.cg): the other programs' partials were written since this SM last
+    looked."""
+    ml = tok * stride_pmt + head * stride_pmh
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    po_rows = po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh + d[None, :]
+    for s in range(0, num_splits):
+        m = tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(pl_ptr + ml + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        live = row_ok & (l > 0)  # an empty split (no keys) has l = 0
+        w = tl.where(live, tl.exp2(m - m_max), 0.0)
+        part = tl.load(po_rows + s * stride_pos, mask=live[:, None] & d_ok[None, :], other=0.0,
+                       cache_modifier=".cg")
+        l_tot += w * l
+        o += w[:, None] * part
+    out = o / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -89,7 +124,8 @@ def _paged_attention_kernel(
         scale_log2, num_splits,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        SPLIT: tl.constexpr, MODE: tl.constexpr, USE_PDL: tl.constexpr = False):
+        SPLIT: tl.constexpr, MODE: tl.constexpr, MERGE: tl.constexpr = False,
+        USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -167,6 +203,19 @@ def _paged_attention_kernel(
         ml = tok * stride_pmt + head * stride_pmh + split
         tl.store(pm_ptr + ml, m_i, mask=row_ok)
         tl.store(pl_ptr + ml, l_i, mask=row_ok)
+        if MERGE:
+            # Count this split in; the last of the row tile's splits to finish merges them
+            # (one launch fewer than _combine_kernel) and sets the counter back to 0 for the
+            # next launch or graph replay. The barrier puts every thread's partial stores
+            # before the counting thread's release; the acquire orders the merge's loads.
+            tl.debug_barrier()
+            n_tiles = tl.num_programs(2) // num_splits
+            lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
+            if tl.atomic_add(lock, 1, sem="acq_rel") == num_splits - 1:
+                tl.atomic_xchg(lock, 0, sem="relaxed")
+                _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
+                              stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+                              stride_ot, stride_oh, num_splits, BLOCK_M, D_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -208,6 +257,32 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+MERGE_ENV = "MEGATRON_TLT_FUSED_COMBINE"
+_MERGE = os.environ.get(MERGE_ENV, "1") != "0"
+"""Split-K partials merged by the last split program of each row tile (one launch per
+attention call) instead of by `_combine_kernel` (two). Read at import; 0 keeps the
+combine kernel (to compare, or to rule the counters out)."""
+_MAX_LOCKS = 1 << 16
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 split counters, zero between launches (each launch leaves them
+    as it found them). Allocated at the first call, which must not be inside a CUDA graph
+    capture (the engine's graphs are captured after an eager warm-up of the same calls);
+    never reallocated, so captured graphs keep a valid address."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lk = _locks.get(device)
+    if lk is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("paged_attention: first split-K call on this device during CUDA graph "
+                               "capture; run it eagerly first (the merge counters are allocated then)")
+        lk = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
+    return lk
 
 
 def block_n_for(dtype: torch.dtype) -> int:
@@ -305,15 +380,17 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     num_splits = max(1, int(num_splits))
     if out is None:
         out = torch.empty_like(q)
+    merge = num_splits > 1 and _MERGE and bsz * kvh * row_tiles <= _MAX_LOCKS
     if num_splits > 1:
         po = torch.empty(t, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         pm = torch.empty(t, num_heads, num_splits, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out  # unused
+    lk = merge_counters(q.device) if merge else out  # unused without the merge
     grid = (bsz, kvh, row_tiles * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl,
+        q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -325,8 +402,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
         float(scale) * _LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, num_warps=4, num_stages=2, **pdl.kwargs())
-    if num_splits > 1:
+        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
+    if num_splits > 1 and not merge:
         _combine_kernel[(t, num_heads)](
             po, pm, pl, out, po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
             out.stride(0), out.stride(1), num_splits,

@@ -99,6 +99,41 @@ def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits):
     assert rel_err(out, ref) < TOL, f"{name} splits={splits}: error {rel_err(out, ref):.2e}"
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
+def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch):
+    """Split-K partials merged by the last split program of each row tile (the default) or
+    by _combine_kernel (MEGATRON_TLT_FUSED_COMBINE=0): both the reference's output, and
+    the counters are back at 0 after every launch (a graph replay finds them so)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MERGE", merge)
+    for name, ctx, n_new, kw in CASES:
+        q, k, v, meta = paged_case([c + 30 for c in ctx], n_new, **kw)
+        ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+        for splits in (2, 5):
+            out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=q.shape[-1] ** -0.5,
+                                  query_start=meta.query_start, max_query_len=max(n_new),
+                                  tree_mask=meta.tree_mask, num_splits=splits)
+            assert rel_err(out, ref) < TOL, (name, splits, merge)
+    assert not ta.merge_counters(torch.device("cpu")).any()
+
+
+def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch):
+    """Negative control: a counter not back at 0 merges a tile before its last split has
+    written (the result misses that split's keys)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MERGE", True)
+    q, k, v, meta = paged_case([70, 40], [1, 1])
+    ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+    lk = ta.merge_counters(torch.device("cpu"))
+    lk[0] = 1  # sequence 0, KV head 0, row tile 0
+    try:
+        out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=3)
+    finally:
+        lk.zero_()
+    assert rel_err(out[:1], ref[:1]) > 1e-2
+    assert rel_err(out[1:], ref[1:]) < TOL  # the other tiles merged as usual
+
+
 def test_paged_attention_negative_controls():
     """The comparison catches a wrong block table and a dropped tree mask."""
     q, k, v, meta = paged_case([9, 40, 13], [1, 1, 1])
