@@ -17,8 +17,8 @@ plane `out[s]`, and the CONSUMING kernel (RMSNorm, RoPE + KV write, SiLU * mul â
 gpu_model.py) adds the planes in a fixed order, rounds once to the model dtype (where
 `F.linear` would round its output) and goes on. Deterministic, and no extra kernel.
 
-Prologues (dot configs): the input tile can be computed in the kernel from the previous
-kernels' inputs instead of being read: SiLU(gate) * up from gate/up planes (the down
+Prologues (dot configs, and fma configs for one row): the input tile can be computed in
+the kernel from the previous kernels' inputs instead of being read: SiLU(gate) * up from gate/up planes (the down
 projection), or RMSNorm(residual + planes) (the QKV and gate_up projections; every
 program first sums the whole row's squares, so this pays only for a row or two). Same
 roundings as the separate kernels; one launch fewer each.
@@ -144,14 +144,19 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                         rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # BLOCK_M == 1, plain x
+    else:  # BLOCK_M == 1: plain x, or the prologue's [1, BLOCK_K] tile
         prod = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < k_hi
-            x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)
+            if PRO == 0:
+                x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                            rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
+                            HAS_BIAS).to(tl.float32)
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            prod += w.to(tl.float32) * x[None, :]
+            prod += w.to(tl.float32) * x
         acc = tl.sum(prod, 1)[None, :]  # [1, BLOCK_N]
     if ROUND:  # the model dtype's rounding of the product, stored in a wider output
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
@@ -208,8 +213,8 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
     if weight.shape[1] != k:
         raise ValueError(f"triton linear: input width {k} and weight {tuple(weight.shape)} disagree on K")
     dot = cfg.kind == "dot"
-    if not dot and (m != 1 or pro):
-        raise ValueError(f"triton linear: fma configs serve one row without a prologue, got {m} rows (prologue {pro})")
+    if not dot and m != 1:
+        raise ValueError(f"triton linear: fma configs serve one row, got {m} rows")
     block_m = cfg.block_m if dot else 1
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
@@ -228,7 +233,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)
                          weight: torch.Tensor,  # [N, I]
                          cfg: LinearConfig) -> torch.Tensor:  # [splits, M, N] float32
-    """down(silu(gate) * up) with the SiLU * mul in the GEMV's prologue (a dot config):
+    """down(silu(gate) * up) with the SiLU * mul in the GEMV's prologue (a dot or fma config):
     the same roundings as gpu_model.silu_mul followed by linear_partials."""
     s, m, two_i = gate_up.shape
     out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=gate_up.device)
@@ -245,7 +250,7 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
                          bias: torch.Tensor | None = None,  # [K]: the previous projection's
                          ) -> tuple[torch.Tensor, torch.Tensor]:  # planes [splits, M, N], residual'
     """linear(RMSNorm(residual + h)) with the residual add and the norm in the GEMV's
-    prologue (a dot config): the same roundings as gpu_model.rms_norm (its mean square is
+    prologue (a dot or fma config): the same roundings as gpu_model.rms_norm (its mean square is
     summed in BLOCK_K chunks, so rstd may differ in the last bit). Returns the planes and
     the new residual (a new tensor: the programs read the old one while it is written)."""
     s, m, k = h.shape
@@ -345,7 +350,7 @@ class LinearPlanner(PlanCache):
         more than one row: every program re-reads its rows' inputs, and for the norm the
         whole row; `rows` as in `config`)."""
         if self.fixed is not None:
-            return self.fixed if self.fixed_fused and self.fixed.kind == "dot" else None
+            return self.fixed if self.fixed_fused and self.fixed.kind != "cublas" else None
         if planes.device.type != "cuda" or max(planes.shape[1], rows or 0) != 1:
             return None
         key = (kind, planes.shape[1], weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
@@ -369,7 +374,7 @@ class LinearPlanner(PlanCache):
         unfused = _time_us(consumer, self.iters) + self.plans[(m, n, k, dt, True)][1]
         best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
-            if cfg.kind != "dot":
+            if cfg.kind == "cublas":
                 continue
             if kind == "norm":
                 fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023

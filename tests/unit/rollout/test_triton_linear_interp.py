@@ -90,12 +90,14 @@ def test_rms_norm_sum_out_starts_a_residual_stream():
         rms_norm(planes, w, 1e-6, residual=zero, sum_out=start)
 
 
-def test_fused_prologues_equal_the_separate_kernels():
+@pytest.mark.parametrize("cfg", [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=3),
+                                 LinearConfig("fma", block_m=1, block_n=8, block_k=32, splits=2)], ids=str)
+def test_fused_prologues_equal_the_separate_kernels(cfg):
     """SiLU * mul and residual add + RMSNorm (+ the previous projection's bias) computed in
     the projection's prologue == the separate kernel then the projection; the residual
-    passed in is left as it was, the new one returned equals rms_norm's in-place update."""
+    passed in is left as it was, the new one returned equals rms_norm's in-place update.
+    One row, so the fma configs (one-row GEMV) take the prologues too."""
     g = torch.Generator().manual_seed(0)
-    cfg = LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=3)
     gu = torch.randn(2, 1, 2 * 70, generator=g)
     w = torch.randn(20, 70, generator=g)
     torch.testing.assert_close(silu_linear_partials(gu, w, cfg), linear_partials(silu_mul(gu), w, cfg),
@@ -115,8 +117,9 @@ def test_fused_prologues_equal_the_separate_kernels():
     assert (norm_linear_partials(h, res, nw, 1e-6, wq, cfg)[0] - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("cfg,fused", [(CONFIGS[1], False), (CONFIGS[1], True), (CONFIGS[2], False)],
-                         ids=["dot", "dot-fused-prologues", "fma"])
+@pytest.mark.parametrize("cfg,fused", [(CONFIGS[1], False), (CONFIGS[1], True), (CONFIGS[3], False),
+                                       (CONFIGS[3], True)],
+                         ids=["dot", "dot-fused-prologues", "fma", "fma-fused-prologues"])
 def test_decode_model_with_triton_linears_matches_inference_model(cfg, fused):
     arch = _arch("qwen2", True)
     w = _weights(arch, seed=1)
