@@ -259,6 +259,32 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up; or [S,
     return out
 
 
+def norm_linear(planner: LinearPlanner, h: torch.Tensor, residual: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+                bias: torch.Tensor | None = None, rows: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(RMSNorm(residual + h (+ bias))) -> (planes, the new residual): fused into the
+    projection's prologue when the planner timed that faster, else rms_norm (residual
+    updated in place) and the projection. `rows` as in LinearPlanner.config."""
+    planes = _planes(h)
+    cfg = planner.fused_config("norm", planes, weight, norm_weight=norm_weight, eps=eps, rows=rows)
+    if cfg is not None:
+        return norm_linear_partials(planes, residual, norm_weight, eps, weight, cfg, bias=bias)
+    y = rms_norm(h, norm_weight, eps, residual=residual, bias=bias)
+    return linear_partials(y, weight, planner.config(y, weight, rows=rows)), residual
+
+
+def silu_linear(planner: LinearPlanner, gate_up: torch.Tensor, weight: torch.Tensor,
+                dtype: torch.dtype, *, rows: int | None = None) -> torch.Tensor:
+    """down(SiLU(gate) * up) as planes: fused into the projection's prologue when the
+    planner timed that faster, else silu_mul and the projection."""
+    cfg = planner.fused_config("silu", gate_up, weight, rows=rows)
+    if cfg is not None:
+        return silu_linear_partials(gate_up, weight, cfg)
+    x = silu_mul(gate_up, dtype=dtype)
+    return linear_partials(x, weight, planner.config(x, weight, rows=rows))
+
+
 class DecodeModel:
     """Decode forward over `EngineWeights` and a `PagedKVCache` (see module docstring)."""
 
@@ -284,14 +310,8 @@ class DecodeModel:
         return linear_partials(x, weight, self.planner.config(x, weight))
 
     def _norm_linear(self, h, residual, norm_weight, weight, bias=None):
-        """linear(RMSNorm(residual + h (+ bias))) -> (planes, the new residual): fused into
-        the projection's prologue when the planner timed that faster, else two kernels."""
-        eps = self.arch.rms_norm_eps
-        cfg = self.planner.fused_config("norm", _planes(h), weight, norm_weight=norm_weight, eps=eps)
-        if cfg is not None:
-            return norm_linear_partials(_planes(h), residual, norm_weight, eps, weight, cfg, bias=bias)
-        y = rms_norm(h, norm_weight, eps, residual=residual, bias=bias)
-        return self._linear(y, weight), residual
+        return norm_linear(self.planner, h, residual, norm_weight, self.arch.rms_norm_eps, weight,
+                           bias=bias)
 
     @torch.no_grad()
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -353,11 +373,7 @@ class DecodeModel:
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
                                                   lw.gate_up_weight, bias=lw.o_bias)
-            cfg = plan.fused_config("silu", gate_up, lw.down_weight)
-            if cfg is not None:
-                h = silu_linear_partials(gate_up, lw.down_weight, cfg)
-            else:
-                h = self._linear(silu_mul(gate_up, dtype=residual.dtype), lw.down_weight)
+            h = silu_linear(plan, gate_up, lw.down_weight, residual.dtype)
         y = rms_norm(h, w.final_norm, eps, residual=residual)
         if hidden_out is not None:
             hidden_out["final"], hidden_out["pre_norm"] = y, residual

@@ -37,10 +37,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_tlt.rollout.gpu_model import qkv_rope_write_kv, rms_norm, silu_mul
+from megatron_tlt.rollout.gpu_model import norm_linear, qkv_rope_write_kv, rms_norm, silu_linear
 from megatron_tlt.rollout.triton_attention import paged_attention
-from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
-                                                silu_linear_partials)
+from megatron_tlt.rollout.triton_linear import LinearPlanner, linear_into, linear_partials
 
 
 def layer(d,  # EagleDrafter (its weights in the engine's dtype)
@@ -90,15 +89,10 @@ def layer(d,  # EagleDrafter (its weights in the engine's dtype)
     if context_lens is None:
         context_lens = index + 1
     o = paged_attention(q, kv.k, kv.v, slots[:, None], context_lens, scale=d.scale)
-    y = rms_norm(proj(o.reshape(o.shape[0], -1), att.o_proj.weight, n), lay.post_attention_layernorm.weight,
-                 eps, residual=x, bias=att.o_proj.bias)
-    gate_up = proj(y, d._fused_gate_up(), n)
-    down = mlp.down_proj.weight
-    cfg = planner.fused_config("silu", gate_up, down, rows=n)
-    if cfg is not None:
-        h = silu_linear_partials(gate_up, down, cfg)
-    else:
-        h = proj(silu_mul(gate_up, dtype=x.dtype), down, n)
+    gate_up, x = norm_linear(planner, proj(o.reshape(o.shape[0], -1), att.o_proj.weight, n), x,
+                             lay.post_attention_layernorm.weight, eps, d._fused_gate_up(),
+                             bias=att.o_proj.bias, rows=n)
+    h = silu_linear(planner, gate_up, mlp.down_proj.weight, x.dtype, rows=n)
     f = rms_norm(h, d.norm.weight, eps, residual=x)
     head = d.head_weight()
     logits = torch.empty(f.shape[0], head.shape[0], dtype=torch.float32, device=f.device)
