@@ -136,6 +136,9 @@ def check(path: str, arch: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # the kernels of the checkout this tool is in (not whatever `megatron_tlt` the
+    # environment would import first)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(path) as f:
         entries = [json.loads(line) for line in f if line.strip()]
     target = GPUTarget("cuda", arch, 32)
@@ -145,6 +148,10 @@ def check(path: str, arch: int) -> int:
         key = f"{e['module']}.{e['name']}"
         try:
             fn = getattr(importlib.import_module(e["module"]), e["name"])
+            params = list(inspect.signature(fn.fn).parameters)
+            if params != list(e["signature"]):
+                raise ValueError(f"stale record: the kernel's parameters are now {params}, the "
+                                 f"launch recorded {list(e['signature'])} (record again)")
             src = ASTSource(fn=fn, signature=e["signature"], constexprs=e["constexprs"])
             opts = {k: v for k, v in e["options"].items() if k != "launch_pdl" or v}
             triton.compile(src, target=target, options=opts)
