@@ -82,14 +82,27 @@ case "$STAGE" in
         > "$RESULTS/gpu_tests_kernels.log" 2>&1
     echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_kernels.log"
-    # k=1: the drafter's layer kernels and the fused decode sampler on; k=0: both off (the
-    # plain decode column times the sampler, the draft-chain graph the drafter kernels)
+    # session 19's engine kernels: in-kernel split merge, Triton linears for 65-256 rows,
+    # fma prologues, the fused sampler inside the engine
+    timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "${ENGINE_K:-split_merge or linear_configs or fused_prologues or sample_graph or sampled_graphs or decode_kernel or verify_kernel or greedy_sampler}" \
+        > "$RESULTS/gpu_tests_engine_kernels.log" 2>&1
+    echo "[runbook] engine kernel tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_engine_kernels.log"
+    # k=1: every kernel of sessions 18-19 on (drafter layer kernels, fused sampler, in-kernel
+    # split merge, Triton linears up to 256 rows, fma prologues); k=0: all off, as at
+    # session 17. The plain decode column times the sampler, merge and fma prologues, the
+    # verify-forward graph the 160-row linears, the draft-chain graph the drafter kernels.
     for k in 1 0; do
       [ "$(left)" -gt 60 ] || break
-      MEGATRON_TLT_DRAFTER_KERNELS=$k MEGATRON_TLT_FUSED_SAMPLE=$k timeout "$(left)" $PY \
+      if [ "$k" = 1 ]; then rows=256; else rows=64; fi
+      # a plan file per side: a choice read from a shared file would cross over
+      MEGATRON_TLT_DRAFTER_KERNELS=$k MEGATRON_TLT_FUSED_SAMPLE=$k MEGATRON_TLT_FUSED_COMBINE=$k \
+          MEGATRON_TLT_FMA_PROLOGUES=$k MEGATRON_TLT_TRITON_ROWS=$rows \
+          MEGATRON_TLT_LINEAR_PLANS="$WORK/linear_plans_s19_$k.json" timeout "$(left)" $PY \
           tools/profile_generate.py --shape 1.5b \
-          --batch-sizes 1,32 --json "$RESULTS/pg_drafter_kernels$k.json" 2>&1 | grep -v -i warn | tail -n 12
-      echo "[runbook] kernels profile (drafter kernels and fused sampler $k): rc=$? at $(( $(date +%s) - t0 )) s"
+          --batch-sizes 1,32 --json "$RESULTS/pg_kernels_s19_$k.json" 2>&1 | grep -v -i warn | tail -n 12
+      echo "[runbook] kernels profile (sessions 18-19 kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
   gputests)
     # shellcheck disable=SC2086

@@ -261,10 +261,14 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
     return out, new_res
 
 
-_MAX_TRITON_ROWS = 256
+_MAX_TRITON_ROWS = int(os.environ.get("MEGATRON_TLT_TRITON_ROWS", "256"))
 """Rows up to which Triton configs are timed against cuBLAS: decode batches, and the
 verify forward's B x Q rows (batch 32 at Q = 5: 160, where cuBLAS read the 1.5B
-weights at ~2 TB/s in session 17's profile: ~1.3 of the verify forward's 2.4 ms)."""
+weights at ~2 TB/s in session 17's profile: ~1.3 of the verify forward's 2.4 ms).
+MEGATRON_TLT_TRITON_ROWS (read at import) sets it; 64 was the limit before session 19."""
+_FMA_PROLOGUES = os.environ.get("MEGATRON_TLT_FMA_PROLOGUES", "1") != "0"
+"""Whether the planner times fma configs with the SiLU / RMSNorm prologues (read at
+import; 0: dot configs only, as before session 19)."""
 _ONE_TILE_ROWS = 64
 
 
@@ -374,7 +378,7 @@ class LinearPlanner(PlanCache):
         unfused = _time_us(consumer, self.iters) + self.plans[(m, n, k, dt, True)][1]
         best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
-            if cfg.kind == "cublas":
+            if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
                 continue
             if kind == "norm":
                 fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023
