@@ -26,15 +26,17 @@ Sampled decode step (`sample_fast(seqs, logits)`), after `decode`:
    greedy flag, as in `sampling.sample`) go into one pinned host buffer [max_batch, 3]
    int64 and ONE host-to-device copy; only sampled rows take a draw (`rng.take()`), as in
    the generic path; padding rows are greedy with key 0, draw 0;
-2. `sampling.exponential_noise` + `sampling.sample` (top_k = top_p = None: the filter
-   branch is off, no host sync) run on all `bucket` rows of the decode's padded logits,
-   replayed from a graph per bucket (captured at first use into the shared pool) or, with
-   use_graphs=False, eagerly at the same shape;
+2. `sampling.sample_streams` (no top-k / top-p / ban: no host sync; on a GPU the fused
+   Triton sampler, rollout/triton_sample.py, else `exponential_noise` + `sample`) runs on
+   all `bucket` rows of the decode's padded logits, replayed from a graph per bucket
+   (captured at first use into the shared pool) or, with use_graphs=False, eagerly at
+   the same shape;
 3. (token, logprob, processed logprob) per row land in one static [max_batch, 3] int64
    buffer (the logprobs as float64 bits) and come back with ONE device-to-host copy.
-Same numbers as the generic path bit for bit: it runs the same ops on the same device;
-the noise is elementwise in (key, draw, index), and log_softmax, argmax and gather are
-computed per row, so a row's results do not depend on how many rows are in the batch
+Same numbers as the generic path bit for bit: it calls the same function on the same
+device; the noise is elementwise in (key, draw, index), and everything else is computed
+per row (the fused sampler's parts are fixed by the vocabulary), so a row's results do
+not depend on how many rows are in the batch
 (the generic path samples [n] rows and draws noise for its sampled rows only, this path
 [bucket] rows; tests/unit/test_sample_graph.py checks both). The environment variable
 MEGATRON_TLT_SAMPLE_GRAPHS=0, read when a runner is constructed, turns this path off
@@ -57,9 +59,10 @@ What a graph holds by address, and why it stays valid:
 - the static input and logits buffers (the sampling ones included): owned here, never
   reallocated while graphs live. A sampling graph reads and writes only those; what it
   allocates is intermediate, freed at the end of its capture, like a decode graph's, so
-  it reads nothing another graph left in the pool. Its intermediates are the eager
-  sampler's ([bucket, vocab] int64 noise bits, a few float32 planes: about 0.6 GB at
-  bucket 128 and a 151,936 vocabulary), held by the pool while the graphs live.
+  it reads nothing another graph left in the pool. Its intermediates are the sampler's:
+  the fused one's per-part statistics (a few KB per row); with MEGATRON_TLT_FUSED_SAMPLE=0
+  the torch sampler's [bucket, vocab] noise and float32 planes (about 0.6 GB at bucket
+  128 and a 151,936 vocabulary), held by the pool while the graphs live.
 """
 
 from __future__ import annotations
