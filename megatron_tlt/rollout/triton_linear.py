@@ -273,7 +273,11 @@ _ONE_TILE_ROWS = 64
 
 
 def _row_bucket(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length())
+    """The row count a plan is timed at: the power of two >= m up to 64, then the multiple
+    of 32 >= m (a verify forward's B x Q: 160 rows are timed as 160, not as 256)."""
+    if m <= _ONE_TILE_ROWS:
+        return 1 << max(0, (m - 1).bit_length())
+    return -(-m // 32) * 32
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
@@ -340,7 +344,7 @@ class LinearPlanner(PlanCache):
         m = max(x.shape[0], rows or 0)
         if x.device.type != "cuda" or m > _MAX_TRITON_ROWS:
             return CUBLAS
-        # Row counts are planned per power-of-two bucket (a verify step's B * Q takes many
+        # Row counts are planned per bucket (_row_bucket; a verify step's B * Q takes many
         # values); a bucket's config serves every row count up to it.
         key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
         return self._choose(self.plans, key, lambda: self._tune(x, weight, key))[0]

@@ -144,6 +144,8 @@ def test_candidate_configs_and_cpu_planner():
     cands = candidate_configs(1, 2048, 1536)
     assert cands[0].kind == "cublas" and any(c.kind == "fma" for c in cands)
     assert all(c.kind != "fma" for c in candidate_configs(8, 2048, 1536))
+    from megatron_tlt.rollout.triton_linear import _row_bucket
+    assert [_row_bucket(m) for m in (1, 3, 33, 64, 65, 160, 161, 256)] == [1, 4, 64, 64, 96, 160, 192, 256]
     many = candidate_configs(160, 2048, 1536)  # a verify step's rows: several row tiles
     assert many[0].kind == "cublas" and len(many) > 1
     assert all(c.kind == "dot" and c.block_m in (64, 128) for c in many[1:])
