@@ -268,7 +268,9 @@ def sample_streams(logits: torch.Tensor,  # [B, vocab] float32
     unfiltered = top_k is None and banned is None
     if dev.type == "cuda" and _fused_sample():
         from megatron_tlt.rollout.triton_sample import sample_fused
-        tok, lp, plp = sample_fused(logits, temperature.float(), keys, draws)
+        x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else \
+            logits.float().contiguous()
+        tok, lp, plp = sample_fused(x, temperature.float(), keys.long(), draws.long())
         fused = SampleOutput(token_ids=tok, logprobs=lp, processed_logprobs=plp)
         if unfiltered:
             return fused

@@ -62,6 +62,38 @@ def test_sample_rows_do_not_depend_on_the_batch(vocab, bucket):
     assert not torch.equal(stale.token_ids[sampled], full.token_ids[sampled])
 
 
+def test_sample_streams_on_cpu_is_the_reference_sampler():
+    """sampling.sample_streams, every engine path's entry point: on CPU the reference
+    sampler with each sampled row's noise from its stream (greedy rows' keys unread), with
+    or without filters; a stale draw changes sampled tokens (control)."""
+    from megatron_tlt.rollout.sampling import sample_streams
+    g = torch.Generator().manual_seed(5)
+    b, v = 6, 500
+    logits = torch.randn(b, v, generator=g) * 2
+    temps = torch.tensor([0.9, 0.0, 1.2, 0.7, 0.0, 1.0])
+    keys = torch.randint(0, 1 << 62, (b,), generator=g)
+    draws = torch.randint(0, 50, (b,), generator=g)
+    ref = sample(logits, temps, None, None, _generic_noise(keys, draws, temps, v))
+    out = sample_streams(logits, temps, keys, draws)
+    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0])
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[5, :250] = True
+    filt = sample_streams(logits, temps, keys, draws, top_k=top_k, top_p=top_p, banned=banned)
+    ref_f = sample(logits, temps, top_k, top_p, _generic_noise(keys, draws, temps, v), banned)
+    for a, r in ((out, ref), (filt, ref_f)):
+        assert torch.equal(a.token_ids, r.token_ids) and torch.equal(a.logprobs, r.logprobs)
+        assert torch.equal(a.processed_logprobs, r.processed_logprobs)
+    assert int(filt.token_ids[5]) >= 250 and int(filt.token_ids[2]) in logits[2].topk(5).indices.tolist()
+    greedy_keys = keys.clone()
+    greedy_keys[temps <= 0] += 1  # greedy rows' streams are never read
+    assert torch.equal(sample_streams(logits, temps, greedy_keys, draws).token_ids, out.token_ids)
+    stale = sample_streams(logits, temps, keys, draws + 1)
+    sampled = temps > 0
+    assert not torch.equal(stale.token_ids[sampled], out.token_ids[sampled])
+    with pytest.raises(ValueError, match="both"):
+        sample_streams(logits, temps, keys, draws, top_k=top_k)
+
+
 def test_sample_without_filters_equals_disabled_filters():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, VOCAB, generator=g)
