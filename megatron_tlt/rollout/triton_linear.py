@@ -18,10 +18,10 @@ gpu_model.py) adds the planes in a fixed order, rounds once to the model dtype (
 `F.linear` would round its output) and goes on. Deterministic, and no extra kernel.
 
 Prologues (dot configs, and fma configs for one row): the input tile can be computed in
-the kernel from the previous kernels' inputs instead of being read: SiLU(gate) * up from gate/up planes (the down
-projection), or RMSNorm(residual + planes) (the QKV and gate_up projections; every
-program first sums the whole row's squares, so this pays only for a row or two). Same
-roundings as the separate kernels; one launch fewer each.
+the kernel from the previous kernels' inputs instead of being read: SiLU(gate) * up from
+gate/up planes (the down projection), or RMSNorm(residual + planes) (the QKV and gate_up
+projections; every program first sums the whole row's squares, so this pays only for a
+row or two). Same roundings as the separate kernels; one launch fewer each.
 
 `LinearPlanner` picks, per (M, N, K, dtype), the fastest of cuBLAS and a few Triton
 configs by timing them once on the device as CUDA-graph replays (outside any capture),
