@@ -272,7 +272,10 @@ def merge_counters(device: torch.device) -> torch.Tensor:
     """The device's int32 split counters, zero between launches (each launch leaves them
     as it found them). Allocated at the first call, which must not be inside a CUDA graph
     capture (the engine's graphs are captured after an eager warm-up of the same calls);
-    never reallocated, so captured graphs keep a valid address."""
+    never reallocated, so captured graphs keep a valid address. One set per device: two
+    split-K launches must not run concurrently on one device (the engine's launches and
+    replays are ordered on one stream; its side streams only warm up captures, joined
+    before and after)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
