@@ -18,14 +18,15 @@
 #   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,4,16,32),
 #             SPEC_MODES (default eagle,eagle-torchlayer,eagle-onehot: the drafter's kernel
 #             path against its torch ops, argmax chains against sampled ones), SPEC_TAG
-#             (default _s18), the defaults otherwise; JSONs and logs into RESULTS_DIR
+#             (default _s19), the defaults otherwise; JSONs and logs into RESULTS_DIR
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
-#   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the verify-probs
-#             and pick kernels' files and the drafter graphs' file, the drafter kernel path
-#             among them), then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with the
-#             drafter's kernel path on and off (MEGATRON_TLT_DRAFTER_KERNELS=1 / 0, random
-#             weights, no target needed; pg_drafter_kernels{1,0}.json)
+#   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the fused sampler's,
+#             verify-probs', pick kernels' and drafter graphs' files; then test_engine_gpu.py
+#             -k ENGINE_K: split merge, linear configs, fused prologues, sampling graphs),
+#             then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with every
+#             kernel of sessions 18-19 on and off (random weights, no target needed;
+#             pg_kernels_s19_{1,0}.json, each side its own plan file)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
 set -uo pipefail
@@ -63,7 +64,7 @@ case "$STAGE" in
       if [ "$STAGE" = drafters ]; then
         SWEEP_DRAFTERS=$d SWEEP_DEPTHS=none timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       elif [ -f "$WORK/drafter_$d/config.json" ]; then
-        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:6,32:4} SWEEP_TAG=${SPEC_TAG:-_s18} \
+        SWEEP_DRAFTERS=$d SWEEP_DEPTHS=${SPEC_DEPTHS:-1:6,32:4} SWEEP_TAG=${SPEC_TAG:-_s19} \
         SWEEP_MODES=${SPEC_MODES:-eagle,eagle-torchlayer,eagle-onehot} SWEEP_BATCHES=${SPEC_BATCHES:-1,4,16,32} \
             timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
       fi
