@@ -153,3 +153,42 @@ def test_candidate_configs_and_cpu_planner():
     x, w = torch.zeros(1, 8), torch.zeros(4, 8)
     assert LinearPlanner().config(x, w).kind == "cublas"  # no timing on CPU
     assert F.linear(x, w).shape == linear_partials(x, w, LinearPlanner().config(x, w))[0].shape
+
+
+def test_decode_step_launch_count_with_every_fusion(monkeypatch):
+    """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues) and the
+    split-K merge in the attention kernel, a decode step launches 6 Triton kernels per
+    layer (QKV, RoPE + K/V write, attention, O, gate_up, down) plus 3 (the first layer's
+    input norm, the final norm, the head): 171 for 28 layers against 282 without them.
+    Counted at the launcher, so a change that adds a launch per layer fails here."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from megatron_tlt.rollout import triton_attention as ta
+    counts = []
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        counts.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=1)
+    ref = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
+    fma = LinearConfig("fma", block_m=1, block_n=8, block_k=128, splits=2)
+    i32 = lambda t: t.to(torch.int32)  # noqa: E731
+    launches = {}
+    for fused in (True, False):
+        monkeypatch.setattr(ta, "_MERGE", fused)
+        model = DecodeModel(arch, w, ref.cos, ref.sin, planner=LinearPlanner(fixed=fma, fixed_fused=fused))
+        cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+                             head_dim=arch.head_dim, num_blocks=8, block_size=4)
+        counts.clear()
+        monkeypatch.setattr(InterpretedFunction, "run", counting)
+        model.forward(i32(torch.tensor([3])), i32(torch.tensor([5])), i32(torch.tensor([21])),
+                      i32(torch.tensor([[2, 5, 0]])), i32(torch.tensor([6])), cache, num_splits=2)
+        monkeypatch.setattr(InterpretedFunction, "run", run)
+        launches[fused] = len(counts)
+    layers = arch.num_layers
+    assert launches[True] == 6 * layers + 3, counts
+    assert launches[False] == 10 * layers + 2  # the control: separate norm, SiLU and combine kernels
+
