@@ -15,7 +15,11 @@ Definitions (used by every caller, the trainer included):
   the temperature-scaled distribution BEFORE the min_new_tokens ban, top-k and top-p —
   what the trainer recomputes from the policy. For T = 0 it is log_softmax(logits)
   (T = 1). `processed_logprobs` is the log-probability under the distribution actually
-  sampled from (after ban/top-k/top-p; 0.0 for greedy).
+  sampled from (after ban/top-k/top-p; 0.0 for greedy). On a GPU, rows without top-k,
+  top-p or a ban are sampled by the fused kernels (`sample_streams`, triton_sample.py):
+  the same definitions, with their own float32 summation order for the softmax's sum
+  (logprobs within a few ulps of torch's; a sampled token can differ only where two
+  race scores are that close).
 - Per-request noise streams (`NoiseStream`): a key from (seed, prompt id, sample index)
   through BLAKE2b and a draw counter; draw d is SplitMix64 of (key, d, index), computed
   on the device that needs it. The same seed gives the same noise whatever else is in
