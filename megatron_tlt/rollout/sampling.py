@@ -245,8 +245,16 @@ def sample(logits: torch.Tensor,  # [B, vocab] float32
     return SampleOutput(token_ids=tokens, logprobs=lp, processed_logprobs=plp)
 
 
-def _fused_sample() -> bool:
-    return os.environ.get("MEGATRON_TLT_FUSED_SAMPLE", "1") != "0" and has_triton()
+def fused_sample_on(device: torch.device) -> bool:
+    """Whether `sample_streams` takes the fused Triton sampler on `device`:
+    MEGATRON_TLT_FUSED_SAMPLE unset -> on a CUDA device with triton; 0 -> never; 1 -> also on
+    CPU when the kernels run under Triton's interpreter (TRITON_INTERPRET=1: tests)."""
+    flag = os.environ.get("MEGATRON_TLT_FUSED_SAMPLE", "")
+    if flag == "0" or not has_triton():
+        return False
+    if device.type == "cuda":
+        return True
+    return flag == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def sample_streams(logits: torch.Tensor,  # [B, vocab] float32
@@ -262,7 +270,7 @@ def sample_streams(logits: torch.Tensor,  # [B, vocab] float32
     go through the fused sampler (rollout/triton_sample.py: noise drawn in place, three
     launches, its own softmax roundings) and the others, if any, through `sample`; a row's
     result depends only on the row either way. Elsewhere (CPU: the reference),
-    or with MEGATRON_TLT_FUSED_SAMPLE=0, `sample` on every row.
+    or with MEGATRON_TLT_FUSED_SAMPLE=0, `sample` on every row (`fused_sample_on`).
 
     Without top_k / top_p / banned there is no host sync (capturable)."""
     if (top_k is None) != (top_p is None):
@@ -270,7 +278,7 @@ def sample_streams(logits: torch.Tensor,  # [B, vocab] float32
     b, vocab = logits.shape
     dev = logits.device
     unfiltered = top_k is None and banned is None
-    if dev.type == "cuda" and _fused_sample():
+    if fused_sample_on(dev):
         from megatron_tlt.rollout.triton_sample import sample_fused
         x = logits if logits.dtype == torch.float32 and logits.stride(-1) == 1 else \
             logits.float().contiguous()

@@ -117,6 +117,15 @@ def _interpreted():
         pytest.skip("the Triton interpreter is set up only on CPU-only machines")
 
 
+@pytest.fixture(params=["torch", "fused"])
+def sampler(request, monkeypatch):
+    """Each interpreted runner test with the torch sampler (the CPU default) and with the
+    fused Triton sampler forced on CPU (MEGATRON_TLT_FUSED_SAMPLE=1 under the interpreter:
+    the path a GPU engine takes, rollout/triton_sample.py)."""
+    monkeypatch.setenv("MEGATRON_TLT_FUSED_SAMPLE", "1" if request.param == "fused" else "0")
+    return request.param
+
+
 def _engine(**kw) -> RolloutEngine:
     arch = ModelArch(family="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                      num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -180,7 +189,7 @@ def _fast_vs_generic(eng, seqs, *, stale=False):
 
 
 @pytest.mark.parametrize("sizes", [(3, 5, 8, 1, 6, 3), (7, 2, 7, 4)])
-def test_fast_path_equals_generic_path(sizes):
+def test_fast_path_equals_generic_path(sizes, sampler):
     """Eager static-buffer path == generic path, token for token and logprob for logprob
     (torch.equal, float32), mixed greedy and sampled rows, batches that are not buckets
     (padding rows; a smaller batch after a larger one leaves stale rows behind), and the
@@ -202,7 +211,7 @@ def test_fast_path_equals_generic_path(sizes):
     assert any(s.processed_logprobs[-1] != 0.0 for s in seqs)  # sampled rows were compared
 
 
-def test_stale_draw_numbers_change_the_tokens():
+def test_stale_draw_numbers_change_the_tokens(sampler):
     """Negative control for the comparison above: the fast path fed draw numbers one behind
     differs from the generic path (deterministic seeds: it always does)."""
     _interpreted()
@@ -253,7 +262,7 @@ def test_greedy_path_unaffected_by_the_switch(monkeypatch):
     assert eng.decode_runner.sample_fast(seqs, out.logits) is None
 
 
-def test_generate_same_with_fast_path_off(monkeypatch):
+def test_generate_same_with_fast_path_off(monkeypatch, sampler):
     """Whole generate calls at T=0.9 (and greedy rows), with and without the fast path
     (MEGATRON_TLT_SAMPLE_GRAPHS=0 for the second engine): same tokens, logprobs and
     processed logprobs, exactly; requests finish at different lengths, so the batch
@@ -277,3 +286,37 @@ def test_generate_same_with_fast_path_off(monkeypatch):
                            torch.tensor(b.logprobs, dtype=torch.float64))
         assert torch.equal(torch.tensor(a.processed_logprobs, dtype=torch.float64),
                            torch.tensor(b.processed_logprobs, dtype=torch.float64))
+
+
+def test_sample_streams_routes_rows_to_the_fused_sampler(monkeypatch):
+    """With the fused sampler on (forced on CPU under the interpreter), sample_streams gives
+    rows with top-k, top-p or a ban the reference sampler's results bit for bit and the
+    other rows the fused kernels' bit for bit; the fused sampler's tokens equal the
+    reference's on these rows too (its logprobs within rounding)."""
+    _interpreted()
+    from megatron_tlt.rollout.sampling import sample_streams
+    from megatron_tlt.rollout.triton_sample import sample_fused
+    monkeypatch.setenv("MEGATRON_TLT_FUSED_SAMPLE", "1")
+    g = torch.Generator().manual_seed(9)
+    b, v = 6, 700
+    logits = torch.randn(b, v, generator=g) * 2
+    temps = torch.tensor([0.9, 0.0, 1.2, 0.7, 0.0, 1.0])
+    keys = torch.randint(0, 1 << 62, (b,), generator=g)
+    draws = torch.randint(0, 50, (b,), generator=g)
+    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0])
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[4, :350] = True
+    filt = torch.tensor([False, False, True, True, True, False])
+    out = sample_streams(logits, temps, keys, draws, top_k=top_k, top_p=top_p, banned=banned)
+    ref = sample(logits, temps, top_k, top_p, exponential_noise(keys, draws, v, "cpu"), banned)
+    fused = sample_fused(logits, temps, keys, draws)
+    for o, r, f in zip((out.token_ids, out.logprobs, out.processed_logprobs),
+                       (ref.token_ids, ref.logprobs, ref.processed_logprobs), fused):
+        assert torch.equal(o[filt], r[filt])
+        assert torch.equal(o[~filt], f[~filt])
+    assert int(out.token_ids[4]) >= 350
+    plain = sample_streams(logits, temps, keys, draws)  # no filters: every row fused
+    assert torch.equal(plain.token_ids, fused[0]) and torch.equal(plain.logprobs, fused[1])
+    assert torch.equal(plain.token_ids, sample(logits, temps, None, None,
+                                               exponential_noise(keys, draws, v, "cpu")).token_ids)
+
