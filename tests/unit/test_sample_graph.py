@@ -62,22 +62,30 @@ def test_sample_rows_do_not_depend_on_the_batch(vocab, bucket):
     assert not torch.equal(stale.token_ids[sampled], full.token_ids[sampled])
 
 
+def _stream_case(v, *, seed, banned_row):
+    """Six rows (greedy and sampled), their streams, and filters: top-k on row 2, top-p on
+    row 3, the lower half of the vocabulary banned on `banned_row`."""
+    g = torch.Generator().manual_seed(seed)
+    b = 6
+    logits = torch.randn(b, v, generator=g) * 2
+    temps = torch.tensor([0.9, 0.0, 1.2, 0.7, 0.0, 1.0])
+    keys = torch.randint(0, 1 << 62, (b,), generator=g)
+    draws = torch.randint(0, 50, (b,), generator=g)
+    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0])
+    banned = torch.zeros(b, v, dtype=torch.bool)
+    banned[banned_row, :v // 2] = True
+    return logits, temps, keys, draws, top_k, top_p, banned
+
+
 def test_sample_streams_on_cpu_is_the_reference_sampler():
     """sampling.sample_streams, every engine path's entry point: on CPU the reference
     sampler with each sampled row's noise from its stream (greedy rows' keys unread), with
     or without filters; a stale draw changes sampled tokens (control)."""
     from megatron_tlt.rollout.sampling import sample_streams
-    g = torch.Generator().manual_seed(5)
-    b, v = 6, 500
-    logits = torch.randn(b, v, generator=g) * 2
-    temps = torch.tensor([0.9, 0.0, 1.2, 0.7, 0.0, 1.0])
-    keys = torch.randint(0, 1 << 62, (b,), generator=g)
-    draws = torch.randint(0, 50, (b,), generator=g)
+    logits, temps, keys, draws, top_k, top_p, banned = _stream_case(500, seed=5, banned_row=5)
+    v = logits.shape[1]
     ref = sample(logits, temps, None, None, _generic_noise(keys, draws, temps, v))
     out = sample_streams(logits, temps, keys, draws)
-    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0])
-    banned = torch.zeros(b, v, dtype=torch.bool)
-    banned[5, :250] = True
     filt = sample_streams(logits, temps, keys, draws, top_k=top_k, top_p=top_p, banned=banned)
     ref_f = sample(logits, temps, top_k, top_p, _generic_noise(keys, draws, temps, v), banned)
     for a, r in ((out, ref), (filt, ref_f)):
@@ -297,15 +305,8 @@ def test_sample_streams_routes_rows_to_the_fused_sampler(monkeypatch):
     from megatron_tlt.rollout.sampling import sample_streams
     from megatron_tlt.rollout.triton_sample import sample_fused
     monkeypatch.setenv("MEGATRON_TLT_FUSED_SAMPLE", "1")
-    g = torch.Generator().manual_seed(9)
-    b, v = 6, 700
-    logits = torch.randn(b, v, generator=g) * 2
-    temps = torch.tensor([0.9, 0.0, 1.2, 0.7, 0.0, 1.0])
-    keys = torch.randint(0, 1 << 62, (b,), generator=g)
-    draws = torch.randint(0, 50, (b,), generator=g)
-    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 1.0])
-    banned = torch.zeros(b, v, dtype=torch.bool)
-    banned[4, :350] = True
+    logits, temps, keys, draws, top_k, top_p, banned = _stream_case(700, seed=9, banned_row=4)
+    v = logits.shape[1]
     filt = torch.tensor([False, False, True, True, True, False])
     out = sample_streams(logits, temps, keys, draws, top_k=top_k, top_p=top_p, banned=banned)
     ref = sample(logits, temps, top_k, top_p, exponential_noise(keys, draws, v, "cpu"), banned)
