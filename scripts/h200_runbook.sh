@@ -96,10 +96,10 @@ case "$STAGE" in
     # verify-forward graph the 160-row linears, the draft-chain graph the drafter kernels.
     for k in 1 0; do
       [ "$(left)" -gt 60 ] || break
-      if [ "$k" = 1 ]; then rows=256; else rows=64; fi
+      if [ "$k" = 1 ]; then rows=256; frows=8; else rows=64; frows=1; fi
       # a plan file per side: a choice read from a shared file would cross over
       MEGATRON_TLT_DRAFTER_KERNELS=$k MEGATRON_TLT_FUSED_SAMPLE=$k MEGATRON_TLT_FUSED_COMBINE=$k \
-          MEGATRON_TLT_FMA_PROLOGUES=$k MEGATRON_TLT_TRITON_ROWS=$rows \
+          MEGATRON_TLT_FMA_PROLOGUES=$k MEGATRON_TLT_TRITON_ROWS=$rows MEGATRON_TLT_FUSED_ROWS=$frows \
           MEGATRON_TLT_LINEAR_PLANS="$WORK/linear_plans_s19_$k.json" timeout "$(left)" $PY \
           tools/profile_generate.py --shape 1.5b \
           --batch-sizes 1,32 --json "$RESULTS/pg_kernels_s19_$k.json" 2>&1 | grep -v -i warn | tail -n 12

@@ -270,6 +270,10 @@ _FMA_PROLOGUES = os.environ.get("MEGATRON_TLT_FMA_PROLOGUES", "1") != "0"
 """Whether the planner times fma configs with the SiLU / RMSNorm prologues (read at
 import; 0: dot configs only, as before session 19)."""
 _ONE_TILE_ROWS = 64
+_FUSED_ROWS = int(os.environ.get("MEGATRON_TLT_FUSED_ROWS", "8"))
+"""Rows up to which the planner times the SiLU / RMSNorm prologues (read at import; 1 was
+the limit before session 19): a speculative verify at batch 1 has Q = 5-8 rows, and
+whether re-reading them in every program beats a separate launch is the timing's call."""
 
 
 def _row_bucket(m: int) -> int:
@@ -354,20 +358,22 @@ class LinearPlanner(PlanCache):
                      weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                      eps: float = 1e-6, rows: int | None = None) -> LinearConfig | None:
         """The config to run `kind`'s kernel fused into this projection's prologue with, or
-        None when the separate kernel + projection is at least as fast (always None for
-        more than one row: every program re-reads its rows' inputs, and for the norm the
-        whole row; `rows` as in `config`)."""
+        None when the separate kernel + projection is at least as fast (always None above
+        _FUSED_ROWS rows: every program re-reads its rows' inputs, and for the norm the
+        whole row; `rows` as in `config`, planned per row bucket)."""
         if self.fixed is not None:
             return self.fixed if self.fixed_fused and self.fixed.kind != "cublas" else None
-        if planes.device.type != "cuda" or max(planes.shape[1], rows or 0) != 1:
+        m = max(planes.shape[1], rows or 0)
+        if planes.device.type != "cuda" or m > _FUSED_ROWS:
             return None
-        key = (kind, planes.shape[1], weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
+        m = _row_bucket(m)
+        key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         return self._choose(self.fused, key,
-                            lambda: self._tune_fused(kind, planes, weight, norm_weight, eps))[0]
+                            lambda: self._tune_fused(kind, planes, weight, norm_weight, eps, m))[0]
 
-    def _tune_fused(self, kind, planes, weight, norm_weight, eps):
+    def _tune_fused(self, kind, planes, weight, norm_weight, eps, m):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
-        s_in, m = planes.shape[0], planes.shape[1]
+        s_in = planes.shape[0]
         n, k = weight.shape
         dev, dt = planes.device, weight.dtype
         p = torch.randn(s_in, m, planes.shape[2], dtype=planes.dtype, device=dev)

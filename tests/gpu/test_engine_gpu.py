@@ -309,7 +309,12 @@ def test_planner_fused_choice_is_timed_against_two_kernels():
     cfg = planner.fused_config("silu", gu, down)
     ((key, (best, fused_us, unfused_us)),) = planner.fused.items()
     assert best is cfg and (cfg is None) == (fused_us >= unfused_us) and unfused_us > 0
-    assert planner.fused_config("silu", torch.randn(1, 2, 2 * 8960, device=CUDA), down) is None
+    # above _FUSED_ROWS rows: never fused, nothing timed; a few rows: timed per row bucket
+    assert planner.fused_config("silu", torch.randn(1, 9, 2 * 8960, device=CUDA), down) is None
+    assert len(planner.fused) == 1
+    cfg3 = planner.fused_config("silu", torch.randn(1, 3, 2 * 8960, device=CUDA), down)
+    best3, f3, u3 = planner.fused[("silu", 4, 1536, 8960, 1, torch.bfloat16)]
+    assert best3 is cfg3 and (cfg3 is None) == (f3 >= u3) and (cfg3 is None or cfg3.kind == "dot")
 
 
 def test_planner_times_candidates_and_caches_the_choice():
