@@ -13,8 +13,9 @@ depth-6 chain was ~25 % of a speculative step. Here one forward of T rows is
 
 with each projection run as the decode model's are (cuBLAS or a bandwidth-shaped Triton
 GEMV with split-K planes that the next bracketed kernel adds up, whichever
-LinearPlanner timed faster; SiLU * up in the down projection's prologue where it timed
-that faster at one row): about 15 launches.
+LinearPlanner timed faster; the post-attention add + RMSNorm in gate_up's prologue and
+SiLU * up in down's where that timed faster, up to 8 rows: gpu_model.norm_linear /
+silu_linear): about 15 launches, 13 with both prologues.
 
 Same math as EagleDrafter.layer_qkv / layer_out / logits, rounded where the decode model's
 kernels round (each projection's output once, after its bias; the residual sums; RMSNorm
