@@ -81,28 +81,59 @@ def _row_temp(temp_ptr, row):
     return tl.where(t > 0, t, 1.0), t <= 0
 
 
+@triton.jit
+def _exp_as(x, ACCURATE: tl.constexpr):
+    """libdevice's exp (torch's) with ACCURATE, else tl.exp (the approximate ex2)."""
+    if ACCURATE:
+        return _exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def part_stats(src, t, lo, CHUNK, V, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+    """(max, sum of exp(s - max)) of s = x / t (IEEE division) over the columns lo .. lo +
+    CHUNK of a row (`src`), those below V; the sum is NaN when an s is NaN or +inf (as
+    torch's softmax gives), 0 with the max -inf when every s is -inf. One part of a row
+    split over programs: also spec/triton_verify_probs.py's (ACCURATE off there)."""
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = lo + off + tl.arange(0, BLOCK)
+        ok = idx < V
+        s = tl.math.div_rn(tl.load(src + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
+        bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN, +inf (-inf is a 0)
+        m_new = tl.maximum(m, s)
+        z = z * _exp_as(m - m_new, ACCURATE) + _exp_as(s - m_new, ACCURATE)
+        z = tl.where(m_new == float("-inf"), 0.0, z)  # nothing finite yet in this lane
+        m = m_new
+    mx = tl.max(m, 0)
+    zz = tl.sum(tl.where(m == float("-inf"), 0.0, z * _exp_as(m - mx, ACCURATE)), 0)
+    # Explicitly: max and where need not propagate a NaN (the hardware max drops it)
+    return mx, tl.where(tl.sum(bad, 0) > 0, float("nan"), zz)
+
+
+@triton.jit
+def combine_stats(pm_row, pz_row, nparts, SPLIT: tl.constexpr, ACCURATE: tl.constexpr):
+    """A row's (max, sum) from its parts' part_stats (pm_row / pz_row: the row's first
+    entries): every program that calls it for the row computes the same bits."""
+    parts = tl.arange(0, SPLIT)
+    okp = parts < nparts
+    pm = tl.load(pm_row + parts, mask=okp, other=float("-inf"))
+    pz = tl.load(pz_row + parts, mask=okp, other=0.0)
+    mx = tl.max(pm, 0)
+    zz = tl.sum(tl.where(pm == float("-inf"), 0.0, pz * _exp_as(pm - mx, ACCURATE)), 0)
+    return mx, tl.where(tl.sum(tl.where(pz != pz, 1, 0), 0) > 0, float("nan"), zz)  # a part had a NaN
+
+
 @triton.jit(do_not_specialize=["stride_x"])
 def _stats_kernel(x_ptr, stride_x, temp_ptr, pm_ptr, pz_ptr, V,
                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     t, _ = _row_temp(temp_ptr, row)
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    z = tl.zeros((BLOCK,), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for off in tl.static_range(0, CHUNK, BLOCK):
-        idx = part * CHUNK + off + tl.arange(0, BLOCK)
-        ok = idx < V
-        s = tl.math.div_rn(tl.load(x_ptr + row * stride_x + idx, mask=ok, other=float("-inf")), t)
-        bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN or +inf: Z is NaN (torch's too)
-        m_new = tl.maximum(m, s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        z = z * _exp(m - m_safe) + _exp(s - m_safe)
-        m = m_new
-    mx = tl.max(m, 0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    zz = tl.sum(tl.where(m == float("-inf"), 0.0, z * _exp(m - mx_safe)), 0)
-    zz = tl.where(tl.sum(bad, 0) > 0, float("nan"), zz)
+    mx, zz = part_stats(x_ptr + row * stride_x, t, part * CHUNK, CHUNK, V, BLOCK, True)
     tl.store(pm_ptr + row * SPLIT + part, mx)
     tl.store(pz_ptr + row * SPLIT + part, zz)
 
@@ -110,14 +141,7 @@ def _stats_kernel(x_ptr, stride_x, temp_ptr, pm_ptr, pz_ptr, V,
 @triton.jit
 def _row_norm(pm_ptr, pz_ptr, row, nparts, SPLIT: tl.constexpr):
     """The row's (M, log Z) from its parts' statistics: every caller, the same bits."""
-    parts = tl.arange(0, SPLIT)
-    okp = parts < nparts
-    pm = tl.load(pm_ptr + row * SPLIT + parts, mask=okp, other=float("-inf"))
-    pz = tl.load(pz_ptr + row * SPLIT + parts, mask=okp, other=0.0)
-    mx = tl.max(pm, 0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    zz = tl.sum(tl.where(pm == float("-inf"), 0.0, pz * _exp(pm - mx_safe)), 0)
-    zz = tl.where(tl.sum(tl.where(pz != pz, 1, 0), 0) > 0, float("nan"), zz)
+    mx, zz = combine_stats(pm_ptr + row * SPLIT, pz_ptr + row * SPLIT, nparts, SPLIT, True)
     return mx, _log(zz)
 
 

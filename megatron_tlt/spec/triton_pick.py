@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_tlt.rollout.triton_noise import _GOLDEN, _MIX1, _MIX2, _mix64
+from megatron_tlt.rollout.triton_noise import _GOLDEN, _MIX1, _MIX2, _mix64, exp_noise_at
 
 _BLOCK = 1024
 
@@ -108,10 +108,7 @@ def _chain_pick_kernel(lg_ptr, stride_lg, temp_ptr, keys_ptr, stride_keys, draws
         else:
             dst = idx.to(tl.int64)
         tl.store(probs_ptr + row * stride_probs + dst, q, mask=ok)
-        bits = _mix64(base + (idx.to(tl.uint64) + 1) * GOLDEN, M1, M2)
-        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53
-        e = tl.maximum((-tl.log(u)).to(tl.float32), TINY)
-        score = q / e
+        score = q / exp_noise_at(base, idx, GOLDEN, M1, M2, TINY)
         score = tl.where(ok & (q > 0) & (score >= 0), score, -1.0)
         best, best_i = _argmax_update(score, idx, V, best, best_i)
     tok = tl.where(best >= 0, best_i, 0)

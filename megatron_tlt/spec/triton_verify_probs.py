@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_tlt.rollout.triton_sample import combine_stats, part_stats
+
 _BLOCK = 1024
 _PROGRAMS = 512
 """Programs to aim for over all rows (a few per streaming multiprocessor of an H200)."""
@@ -49,23 +51,7 @@ def _part_stats_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, V
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     t = tl.load(temp_ptr + (row // Q) * stride_t).to(tl.float32)
-    src = x_ptr + row * stride_x
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    z = tl.zeros((BLOCK,), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.int32)
-    for off in range(0, CHUNK, BLOCK):
-        idx = part * CHUNK + off + tl.arange(0, BLOCK)
-        ok = idx < V
-        s = tl.math.div_rn(tl.load(src + idx, mask=ok, other=float("-inf")).to(tl.float32), t)
-        bad += tl.where((s != s) | (s == float("inf")), 1, 0)  # NaN, +inf (-inf is a 0)
-        m_new = tl.maximum(m, s)
-        z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
-        z = tl.where(m_new == float("-inf"), 0.0, z)  # nothing finite yet in this lane
-        m = m_new
-    mx = tl.max(m, 0)
-    zz = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - mx)), 0)
-    # Explicitly: max and where need not propagate a NaN (the hardware max drops it)
-    zz = tl.where(tl.sum(bad, 0) > 0, float("nan"), zz)
+    mx, zz = part_stats(x_ptr + row * stride_x, t, part * CHUNK, CHUNK, V, BLOCK, False)
     tl.store(pm_ptr + row * SPLIT + part, mx)
     tl.store(pz_ptr + row * SPLIT + part, zz)
 
@@ -75,13 +61,7 @@ def _probs_kernel(x_ptr, stride_x, temp_ptr, stride_t, Q, pm_ptr, pz_ptr, p_ptr,
                   V, NPARTS, CHUNK, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    parts = tl.arange(0, SPLIT)
-    okp = parts < NPARTS
-    pm = tl.load(pm_ptr + row * SPLIT + parts, mask=okp, other=float("-inf"))
-    pz = tl.load(pz_ptr + row * SPLIT + parts, mask=okp, other=0.0)
-    mx = tl.max(pm, 0)
-    zz = tl.sum(tl.where(pm == float("-inf"), 0.0, pz * tl.exp(pm - mx)), 0)
-    zz = tl.where(tl.sum(tl.where(pz != pz, 1, 0), 0) > 0, float("nan"), zz)  # a part had a NaN
+    mx, zz = combine_stats(pm_ptr + row * SPLIT, pz_ptr + row * SPLIT, NPARTS, SPLIT, False)
     t = tl.load(temp_ptr + (row // Q) * stride_t).to(tl.float32)
     src = x_ptr + row * stride_x
     dst = p_ptr + row * stride_p
