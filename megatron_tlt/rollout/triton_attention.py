@@ -276,6 +276,9 @@ def merge_counters(device: torch.device) -> torch.Tensor:
     split-K launches must not run concurrently on one device (the engine's launches and
     replays are ordered on one stream; its side streams only warm up captures, joined
     before and after)."""
+    lk = _locks.get(device)  # a tensor's device: found at once (every call but the first)
+    if lk is not None:
+        return lk
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
