@@ -27,6 +27,7 @@
 #             then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with every
 #             kernel of sessions 18-19 on and off (random weights, no target needed;
 #             pg_kernels_s19_{1,0}.json, each side its own plan file)
+#             KERNEL_PARTS=tests (or profile) runs one half
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
 set -uo pipefail
@@ -77,6 +78,10 @@ case "$STAGE" in
         2>&1 | tail -n 15 | tee "$RESULTS/gpu_tests_pdl.log"
     echo "[runbook] rollout: at $(( $(date +%s) - t0 )) s" ;;
   kernels)
+    # KERNEL_PARTS (default "tests profile"): "tests" alone runs beside another stage (its
+    # results are pass/fail, not times); "profile" alone wants the GPU to itself.
+    parts=${KERNEL_PARTS:-tests profile}
+    if [[ $parts == *tests* ]]; then
     # shellcheck disable=SC2086
     timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider \
         ${KERNEL_TESTS:-tests/gpu/test_triton_sample_gpu.py tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
@@ -90,6 +95,8 @@ case "$STAGE" in
         > "$RESULTS/gpu_tests_engine_kernels.log" 2>&1
     echo "[runbook] engine kernel tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_engine_kernels.log"
+    fi
+    [[ $parts == *profile* ]] || { echo "[runbook] kernels: no profile asked"; exit 0; }
     # k=1: every kernel of sessions 18-19 on (drafter layer kernels, fused sampler, in-kernel
     # split merge, Triton linears up to 256 rows, fma prologues); k=0: all off, as at
     # session 17. The plain decode column times the sampler, merge and fma prologues, the
