@@ -81,16 +81,17 @@ case "$STAGE" in
     # KERNEL_PARTS (default "tests profile"): "tests" alone runs beside another stage (its
     # results are pass/fail, not times); "profile" alone wants the GPU to itself.
     parts=${KERNEL_PARTS:-tests profile}
+    res=0; [[ $parts == *profile* ]] && res=170  # seconds kept for the profile
     if [[ $parts == *tests* ]]; then
     # shellcheck disable=SC2086
-    timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider \
+    timeout "$(( $(left) - res ))" $PY -m pytest -q -p no:cacheprovider \
         ${KERNEL_TESTS:-tests/gpu/test_triton_sample_gpu.py tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
         > "$RESULTS/gpu_tests_kernels.log" 2>&1
     echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_kernels.log"
     # session 19's engine kernels: in-kernel split merge, Triton linears for 65-256 rows,
     # fma prologues, the fused sampler inside the engine
-    timeout "$(( $(left) - 170 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+    timeout "$(( $(left) - res ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
         -k "${ENGINE_K:-split_merge or linear_configs or fused_prologues or sample_graph or sampled_graphs or decode_kernel or verify_kernel or greedy_sampler}" \
         > "$RESULTS/gpu_tests_engine_kernels.log" 2>&1
     echo "[runbook] engine kernel tests: rc=$? at $(( $(date +%s) - t0 )) s"
