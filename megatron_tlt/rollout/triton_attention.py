@@ -23,9 +23,10 @@ the grid is static and CUDA-graph safe while lengths vary); each split writes an
 unnormalised partial output with its running max and sum, and the last split program of
 each row tile to finish (an atomic counter per tile) merges them with the usual
 log-sum-exp rescaling, in split order, so the result does not depend on which finished
-last (`_combine_kernel`, a second launch, with MEGATRON_TLT_FUSED_COMBINE=0). Session 17's
-H200 profile: the combine launch took 2.1 us per layer at batch 1 and 7.6 us at a batch-32
-verify (Q = 5), 28 layers a step. `num_splits == 1` writes the output directly.
+last (MEGATRON_TLT_FUSED_COMBINE=1; by default `_combine_kernel`, a second launch, merges
+them). Session 17's H200 profile: the combine launch took 2.1 us per layer at batch 1 and
+7.6 us at a batch-32 verify (Q = 5), 28 layers a step; yet in session 20 the step ran
+faster with it than with the in-kernel merge (see _MERGE). `num_splits == 1` writes the output directly.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -260,10 +261,14 @@ def _next_pow2(x: int) -> int:
 
 
 MERGE_ENV = "MEGATRON_TLT_FUSED_COMBINE"
-_MERGE = os.environ.get(MERGE_ENV, "1") != "0"
+_MERGE = os.environ.get(MERGE_ENV, "0") == "1"
 """Split-K partials merged by the last split program of each row tile (one launch per
-attention call) instead of by `_combine_kernel` (two). Read at import; 0 keeps the
-combine kernel (to compare, or to rule the counters out)."""
+attention call) instead of by `_combine_kernel` (two). Read at import; opt-in (=1): on
+the H200 (session 20, 1.5B target, t09x512 drafter, T=0.9) the in-kernel merge made the
+step slower, not faster: batch-1 plain decode 1.76 / 1.84 ms/step with it against 1.67 /
+1.69 without, the batch-1 EAGLE step 3.03 / 3.03 ms against 2.59 / 2.59 (two runs each),
+and the batch-1 verify-forward graph (Q = 5, random weights) 1.767 ms against 1.697 ms
+with every session 18-19 kernel off."""
 _MAX_LOCKS = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
 
