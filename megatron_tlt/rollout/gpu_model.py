@@ -262,27 +262,28 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2 * I]: gate columns, then up; or [S,
 def norm_linear(planner: LinearPlanner, h: torch.Tensor, residual: torch.Tensor,
                 norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
                 bias: torch.Tensor | None = None, rows: int | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                row_local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """linear(RMSNorm(residual + h (+ bias))) -> (planes, the new residual): fused into the
     projection's prologue when the planner timed that faster, else rms_norm (residual
-    updated in place) and the projection. `rows` as in LinearPlanner.config."""
+    updated in place) and the projection. `rows`, `row_local` as in LinearPlanner.config."""
     planes = _planes(h)
-    cfg = planner.fused_config("norm", planes, weight, norm_weight=norm_weight, eps=eps, rows=rows)
+    cfg = planner.fused_config("norm", planes, weight, norm_weight=norm_weight, eps=eps, rows=rows,
+                               row_local=row_local)
     if cfg is not None:
         return norm_linear_partials(planes, residual, norm_weight, eps, weight, cfg, bias=bias)
     y = rms_norm(h, norm_weight, eps, residual=residual, bias=bias)
-    return linear_partials(y, weight, planner.config(y, weight, rows=rows)), residual
+    return linear_partials(y, weight, planner.config(y, weight, rows=rows, row_local=row_local)), residual
 
 
 def silu_linear(planner: LinearPlanner, gate_up: torch.Tensor, weight: torch.Tensor,
-                dtype: torch.dtype, *, rows: int | None = None) -> torch.Tensor:
+                dtype: torch.dtype, *, rows: int | None = None, row_local: bool = False) -> torch.Tensor:
     """down(SiLU(gate) * up) as planes: fused into the projection's prologue when the
     planner timed that faster, else silu_mul and the projection."""
-    cfg = planner.fused_config("silu", gate_up, weight, rows=rows)
+    cfg = planner.fused_config("silu", gate_up, weight, rows=rows, row_local=row_local)
     if cfg is not None:
         return silu_linear_partials(gate_up, weight, cfg)
     x = silu_mul(gate_up, dtype=dtype)
-    return linear_partials(x, weight, planner.config(x, weight, rows=rows))
+    return linear_partials(x, weight, planner.config(x, weight, rows=rows, row_local=row_local))
 
 
 class DecodeModel:

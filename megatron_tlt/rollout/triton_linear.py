@@ -276,6 +276,10 @@ the limit before session 19): a speculative verify at batch 1 has Q = 5-8 rows, 
 whether re-reading them in every program beats a separate launch is the timing's call."""
 
 
+_ROW_LOCAL = "row_local"
+"""The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
+
+
 def _row_bucket(m: int) -> int:
     """The row count a plan is timed at: the power of two >= m up to 64, then the multiple
     of 32 >= m (a verify forward's B x Q: 160 rows are timed as 160, not as 256)."""
@@ -285,7 +289,9 @@ def _row_bucket(m: int) -> int:
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
-    """The configs the planner times for an [m, k] x [n, k] product (cuBLAS first)."""
+    """The configs the planner times for an [m, k] x [n, k] product (cuBLAS first). Every
+    shape up to MEGATRON_TLT_TRITON_ROWS rows has single-split Triton configs (a row_local
+    plan needs one; short K only loses split-K)."""
     out = [CUBLAS]
     if m > _MAX_TRITON_ROWS:
         return out
@@ -295,7 +301,7 @@ def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
         for block_m in (64, 128):
             for block_n in (64, 128):
                 for splits in (1, 2, 4):
-                    if k // splits < 256:
+                    if splits > 1 and k // splits < 256:
                         continue
                     out.append(LinearConfig("dot", block_m=block_m, block_n=block_n, block_k=64,
                                             splits=splits, num_warps=8 if block_m * block_n > 8192 else 4,
@@ -304,14 +310,14 @@ def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
     block_m = max(16, 1 << (m - 1).bit_length())
     for block_n in (16, 32, 64):
         for splits in (1, 2, 4, 8):
-            if k // splits < 256:
+            if splits > 1 and k // splits < 256:
                 continue
             out.append(LinearConfig("dot", block_m=block_m, block_n=block_n, block_k=128,
                                     splits=splits, num_warps=4, num_stages=4))
     if m == 1:
         for block_n in (4, 8, 16):
             for splits in (1, 2, 4):
-                if k // splits < 512:
+                if splits > 1 and k // splits < 512:
                     continue
                 out.append(LinearConfig("fma", block_m=1, block_n=block_n, block_k=512,
                                         splits=splits, num_warps=4, num_stages=3))
@@ -339,10 +345,14 @@ class LinearPlanner(PlanCache):
         super().__init__(plan_file)
 
     def config(self, x: torch.Tensor, weight: torch.Tensor, *, split: bool = True,
-               rows: int | None = None) -> LinearConfig:
+               rows: int | None = None, row_local: bool = False) -> LinearConfig:
         """split=False: only single-plane configs (for `linear_into`). rows: plan for this
         many rows (at least x's): a caller whose row count varies (the EAGLE drafter's eager
-        levels against its graphs' padded buckets) gets one config, and rows computed alike."""
+        levels against its graphs' padded buckets) gets one config. row_local: only Triton
+        configs, whose rows are computed alike whatever the row count (cuBLAS picks its
+        kernel, and with it the summation order, per shape: an fp32 row of 5 live rows and
+        the same row in an 8-row bucket came out different on the H200, session 20); up to
+        MEGATRON_TLT_TRITON_ROWS rows, cuBLAS beyond."""
         if self.fixed is not None:
             return self.fixed
         m = max(x.shape[0], rows or 0)
@@ -351,16 +361,20 @@ class LinearPlanner(PlanCache):
         # Row counts are planned per bucket (_row_bucket; a verify step's B * Q takes many
         # values); a bucket's config serves every row count up to it.
         key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
+        if row_local:
+            key += (_ROW_LOCAL,)
         return self._choose(self.plans, key, lambda: self._tune(x, weight, key))[0]
 
     def fused_config(self, kind: str,  # "norm" | "silu"
                      planes: torch.Tensor,  # [S, M, *] the prologue's input planes
                      weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
-                     eps: float = 1e-6, rows: int | None = None) -> LinearConfig | None:
+                     eps: float = 1e-6, rows: int | None = None,
+                     row_local: bool = False) -> LinearConfig | None:
         """The config to run `kind`'s kernel fused into this projection's prologue with, or
         None when the separate kernel + projection is at least as fast (always None above
         _FUSED_ROWS rows: every program re-reads its rows' inputs, and for the norm the
-        whole row; `rows` as in `config`, planned per row bucket)."""
+        whole row; `rows` as in `config`, planned per row bucket; row_local: timed against
+        the unfused projection's row-local plan, which is what runs when this is None)."""
         if self.fixed is not None:
             return self.fixed if self.fixed_fused and self.fixed.kind != "cublas" else None
         m = max(planes.shape[1], rows or 0)
@@ -368,10 +382,12 @@ class LinearPlanner(PlanCache):
             return None
         m = _row_bucket(m)
         key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
-        return self._choose(self.fused, key,
-                            lambda: self._tune_fused(kind, planes, weight, norm_weight, eps, m))[0]
+        if row_local:
+            key += (_ROW_LOCAL,)
+        return self._choose(self.fused, key, lambda: self._tune_fused(
+            kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
 
-    def _tune_fused(self, kind, planes, weight, norm_weight, eps, m):
+    def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
         s_in = planes.shape[0]
         n, k = weight.shape
@@ -379,13 +395,15 @@ class LinearPlanner(PlanCache):
         p = torch.randn(s_in, m, planes.shape[2], dtype=planes.dtype, device=dev)
         res = torch.randn(m, k, dtype=dt, device=dev)
         nw = norm_weight if norm_weight is not None else torch.ones(k, dtype=dt, device=dev)
-        self.config(torch.randn(m, k, dtype=dt, device=dev), weight)  # the unfused projection's plan
+        self.config(torch.randn(m, k, dtype=dt, device=dev), weight,  # the unfused projection's plan
+                    row_local=row_local)
         ws = _weight_copies(weight)
         if kind == "norm":
             consumer = lambda i: rms_norm(p, nw, eps, residual=res)  # noqa: E731
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
-        unfused = _time_us(consumer, self.iters) + self.plans[(m, n, k, dt, True)][1]
+        unfused_key = (m, n, k, dt, True) + ((_ROW_LOCAL,) if row_local else ())
+        unfused = _time_us(consumer, self.iters) + self.plans[unfused_key][1]
         best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
             if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
@@ -408,8 +426,9 @@ class LinearPlanner(PlanCache):
         ws = _weight_copies(weight)
         times: dict[str, float] = {}
         best = (CUBLAS, float("inf"))
+        row_local = key[5:] == (_ROW_LOCAL,)
         for cfg in candidate_configs(m, n, k):
-            if cfg.splits > 1 and not key[4]:
+            if (cfg.splits > 1 and not key[4]) or (row_local and cfg.kind == "cublas"):
                 continue
             try:
                 us = _time_us(lambda i: linear_partials(xs, ws[i % len(ws)], cfg),  # noqa: B023

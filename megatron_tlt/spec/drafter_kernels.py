@@ -11,9 +11,10 @@ depth-6 chain was ~25 % of a speculative step. Here one forward of T rows is
     RoPE, K and V written into the slots] -> paged attention -> o_proj -> [+ x, RMSNorm]
     -> gate_up -> [SiLU * up] -> down -> [+ x, final RMSNorm] -> head (float32 logits)
 
-with each projection run as the decode model's are (cuBLAS or a bandwidth-shaped Triton
-GEMV with split-K planes that the next bracketed kernel adds up, whichever
-LinearPlanner timed faster; the post-attention add + RMSNorm in gate_up's prologue and
+with each projection a bandwidth-shaped Triton GEMV with split-K planes that the next
+bracketed kernel adds up (LinearPlanner's fastest row-local config: cuBLAS is not timed
+here, its kernel choice depends on the row count; cuBLAS only above
+MEGATRON_TLT_TRITON_ROWS rows, where no Triton config is planned); the post-attention add + RMSNorm in gate_up's prologue and
 SiLU * up in down's where that timed faster, up to 8 rows: gpu_model.norm_linear /
 silu_linear): about 15 launches, 13 with both prologues.
 
@@ -22,7 +23,8 @@ kernels round (each projection's output once, after its bias; the residual sums;
 in float32; RoPE per product), i.e. within bf16 rounding of the torch path, not its bits.
 The eager chain path and the graphs' padded buckets compute the same bits: every kernel
 is row-local, and the projections' configs are planned for the step's bucket (`rows`),
-not for the rows one call happens to run.
+not for the rows one call happens to run (up to MEGATRON_TLT_TRITON_ROWS rows; a call
+planned for more runs cuBLAS, whose rows may then differ in the last bits).
 
 Non-finite values: V is written as computed (the torch path writes nan_to_num(V) and
 fails the row from V's finiteness); here a non-finite K/V/q reaches the row's own
@@ -67,7 +69,7 @@ def layer(d,  # EagleDrafter (its weights in the engine's dtype)
     att, mlp = lay.self_attn, lay.mlp
 
     def proj(x, w, n):
-        return linear_partials(x, w, planner.config(x, w, rows=n))
+        return linear_partials(x, w, planner.config(x, w, rows=n, row_local=True))
 
     emb = F.embedding(tokens, d.target_embed.detach())
     xin = torch.cat([emb.to(g.dtype), g], dim=-1)
@@ -92,10 +94,10 @@ def layer(d,  # EagleDrafter (its weights in the engine's dtype)
     o = paged_attention(q, kv.k, kv.v, slots[:, None], context_lens, scale=d.scale)
     gate_up, x = norm_linear(planner, proj(o.reshape(o.shape[0], -1), att.o_proj.weight, n), x,
                              lay.post_attention_layernorm.weight, eps, d._fused_gate_up(),
-                             bias=att.o_proj.bias, rows=n)
-    h = silu_linear(planner, gate_up, mlp.down_proj.weight, x.dtype, rows=n)
+                             bias=att.o_proj.bias, rows=n, row_local=True)
+    h = silu_linear(planner, gate_up, mlp.down_proj.weight, x.dtype, rows=n, row_local=True)
     f = rms_norm(h, d.norm.weight, eps, residual=x)
     head = d.head_weight()
     logits = torch.empty(f.shape[0], head.shape[0], dtype=torch.float32, device=f.device)
-    linear_into(f, head, logits, planner.config(f, head, split=False, rows=n))
+    linear_into(f, head, logits, planner.config(f, head, split=False, rows=n, row_local=True))
     return f, logits

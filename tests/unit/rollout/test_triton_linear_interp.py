@@ -155,6 +155,25 @@ def test_candidate_configs_and_cpu_planner():
     assert F.linear(x, w).shape == linear_partials(x, w, LinearPlanner().config(x, w))[0].shape
 
 
+def test_row_local_plans_never_take_cublas(monkeypatch):
+    """A row_local plan (the EAGLE drafter's kernel path: eager live rows and a graph's
+    padded bucket must compute a row alike) skips cuBLAS even where cuBLAS timed fastest,
+    and has a Triton config even for a short K (a reduced draft head of a tiny model)."""
+    import megatron_tlt.rollout.triton_linear as tl_mod
+    small_k = candidate_configs(4, 48, 64)
+    assert small_k[0].kind == "cublas" and [c.splits for c in small_k[1:]] == [1, 1, 1]
+    assert all(c.splits == 1 for c in candidate_configs(1, 48, 64)[1:])
+    dot = LinearConfig("dot", block_m=16, block_n=16, block_k=32)
+    monkeypatch.setattr(tl_mod, "candidate_configs", lambda m, n, k: [tl_mod.CUBLAS, dot])
+    times = iter([1.0, 2.0, 2.0])  # cuBLAS fastest wherever it is timed
+    monkeypatch.setattr(tl_mod, "_time_us", lambda call, n: next(times))
+    p = LinearPlanner()
+    x, w = torch.zeros(4, 64), torch.zeros(48, 64)
+    assert p._tune(x, w, (4, 48, 64, torch.float32, True)) == (tl_mod.CUBLAS, 1.0)
+    assert p._tune(x, w, (4, 48, 64, torch.float32, True, tl_mod._ROW_LOCAL)) == (dot, 2.0)
+    assert "cublas" not in p.timings[(4, 48, 64, torch.float32, True, tl_mod._ROW_LOCAL)]
+
+
 def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues) and the
     split-K merge in the attention kernel, a decode step launches 6 Triton kernels per
