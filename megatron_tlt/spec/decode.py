@@ -668,10 +668,7 @@ class SpecDecoder:
             plp_b = row[3 * width + 1:4 * width + 1]
             root_pos = len(s.token_ids) - 1
             engine.commit_kv(s, path)
-            kind = s.request.return_hidden_states
             off = offs[b]
-            if kind is not None:
-                s.hidden.append(picked[kind][off:off + acc + 1].clone())
             if feature is not None:
                 self.drafter.observe(s, root_pos, picked[feature][off:off + acc + 1])
             n_emit = 0
@@ -679,6 +676,9 @@ class SpecDecoder:
                 n_emit += 1
                 if engine.append_token(s, tok, lp_b[j], plp_b[j]):
                     break
+            kind = s.request.return_hidden_states
+            if kind is not None:  # one row per emitted token (a stop token may end the path early)
+                s.hidden.append(picked[kind][off:off + n_emit].clone())
             s.spec_stats["num_drafts"] += 1
             s.spec_stats["drafted"] += trees[b].num_drafts
             s.spec_stats["accepted"] += acc

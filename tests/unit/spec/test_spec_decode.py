@@ -121,16 +121,26 @@ def test_stops_and_budget_truncate(spec_models):
 
 
 def test_hidden_states_match_plain(spec_models):
+    """Also when a stop token ends a verified path early: one row per position fed, as
+    plain decoding returns (SD returned the whole accepted path's rows before session 20:
+    10 rows for a 4-token prompt and 6 tokens, against plain's 9)."""
     d = spec_models["llama"]
     for kind in ("final", "pre_norm"):
-        reqs = requests(VOCAB["llama"], [4, 9], max_new_tokens=10)
+        reqs = requests(VOCAB["llama"], [4, 9], max_new_tokens=12)
         for r in reqs:
             r.return_hidden_states = kind
-        base, _ = run(d, reqs)
-        res, _ = run(d, reqs, "target", CHAIN)
-        for a, b in zip(res, base):
-            assert a.hidden_states.shape == b.hidden_states.shape
-            torch.testing.assert_close(a.hidden_states, b.hidden_states, rtol=0, atol=1e-5)
+        first, _ = run(d, reqs)
+        eos = [first[0].token_ids[5], first[1].token_ids[4]]
+        for stops in ({}, dict(eos_token_ids=eos)):
+            base, _ = run(d, reqs, **stops)
+            res, _ = run(d, reqs, "target", Strategy(depth=5), **stops)
+            assert tokens(res) == tokens(base)
+            if stops:
+                assert [r.finish_reason for r in res] == ["stop", "stop"]
+            for a, b, r in zip(res, base, reqs):
+                assert b.hidden_states.shape[0] == len(r.prompt_token_ids) + len(b.token_ids) - 1
+                assert a.hidden_states.shape == b.hidden_states.shape
+                torch.testing.assert_close(a.hidden_states, b.hidden_states, rtol=0, atol=1e-5)
 
 
 def test_threshold_turns_spec_off_for_large_batches(spec_models):
