@@ -420,10 +420,14 @@ class SpecDecoder:
         return m
 
     def _depth_cap(self, engine, seq) -> int:
-        """Deepest draft worth verifying: the step emits <= depth + 1 tokens, within
-        max_new_tokens and max_model_len."""
-        left = seq.request.sampling_params.max_new_tokens - seq.num_output
-        return min(left - 1, engine.max_model_len - len(seq.token_ids) - 1)
+        """Deepest draft the step may verify: its depth + 1 positions within max_model_len.
+        Not capped by max_new_tokens: the emitted tokens stop there anyway (append_token
+        finishes the sequence; the rest of the accepted path is dropped with it, and every
+        emitted token is still one the target would sample), while a capped chain takes
+        the whole batch off the deferred path (full-depth chains only) for that step. On
+        the H200 (session 20, batch 32, 256 tokens each) the steps after the first
+        sequence finished took 4.75 ms on average against a 3.39 ms median step."""
+        return engine.max_model_len - len(seq.token_ids) - 1
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -557,11 +561,13 @@ class SpecDecoder:
     def _ahead_fits(engine, spec, depth: int) -> bool:
         """Whether every sequence of this deferred step (all of the step's sequences) will
         draft a full-depth chain again at the next step whatever it accepts now: this step
-        emits at most depth + 1 tokens, the next needs room for depth + 1 more (the same
-        batch size picks the same strategy). Then the step queues a draft-ahead."""
+        emits at most depth + 1 tokens and cannot reach max_new_tokens, and the next has
+        room for depth + 1 more positions (the same batch size picks the same strategy).
+        Then the step queues a draft-ahead (a stop token may still end a sequence: the
+        next step then drops it)."""
         for s, _ in spec:
             left = s.request.sampling_params.max_new_tokens - s.num_output
-            if min(left, engine.max_model_len - len(s.token_ids)) < 2 * depth + 2:
+            if left < depth + 2 or engine.max_model_len - len(s.token_ids) < 2 * depth + 2:
                 return False
         return True
 

@@ -219,18 +219,46 @@ def test_draft_ahead_nan_drafter(spec_models, temperature):
 def test_deferred_drafts_equal_read_back_drafts(spec_models, params, engine_kw):
     """Verifying the chains on the device (SpecDecoder._deferred: placeholder trees, the
     drafts written into the verify inputs on the device) gives the tokens, logprobs and
-    acceptance counts of reading them back first, with and without forced preemption;
-    steps near max_new_tokens (chains capped below the depth) take the read-back path."""
+    acceptance counts of reading them back first, with and without forced preemption."""
     on, dec_on = _deferred_runs(spec_models, 2, params, True, **engine_kw)
     off, dec_off = _deferred_runs(spec_models, 2, params, False, **engine_kw)
     assert dec_on.num_deferred > 0 and dec_off.num_deferred == 0
     assert tokens(on) == tokens(off)
     assert [r.logprobs for r in on] == [r.logprobs for r in off]
     assert [r.spec_stats["accepted"] for r in on] == [r.spec_stats["accepted"] for r in off]
-    capped = sum(b.steps for b in dec_on.metrics.buckets.values()) - dec_on.num_deferred
-    assert capped > 0  # some steps were not deferred (caps below the depth)
+    read_back = sum(b.steps for b in dec_on.metrics.buckets.values()) - dec_on.num_deferred
+    assert read_back > 0  # the prefill step at least
     if engine_kw:
         assert sum(r.num_preemptions for r in on) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_chains_near_max_new_tokens_stay_full_depth(spec_models, temperature):
+    """A long tail of max_new_tokens (20, 25, ..., 55): chains are not capped by a
+    sequence's remaining tokens, so every step after the prefill verifies deferred
+    full-depth chains (capped by max_new_tokens, 18 of 55 greedy steps read their drafts
+    back), and the tokens past max_new_tokens an accepted path held are dropped: each
+    response is exactly max_new_tokens long, with one logprob per token; greedy, the
+    tokens of plain decoding."""
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8, 6, 9, 4, 7], prompt_seed=3, temperature=temperature,
+                    logprobs=True)
+    for i, r in enumerate(reqs):
+        r.sampling_params = dataclasses.replace(r.sampling_params, max_new_tokens=20 + 5 * i)
+    engine = make_engine(spec_models["qwen2"])
+    p = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=128)
+    p.static_chains = True
+    engine.spec_decoder = dec = SpecDecoder(p, Strategy(depth=3), defer_drafts=True, draft_ahead=True)
+    res = engine.generate(reqs)
+    steps = sum(b.steps for b in dec.metrics.buckets.values())
+    assert steps - dec.num_deferred == 1, (steps, dec.num_deferred)
+    assert dec.num_adopted > 0
+    assert [len(r.token_ids) for r in res] == [20 + 5 * i for i in range(len(reqs))]
+    assert [len(r.logprobs) for r in res] == [len(r.token_ids) for r in res]
+    assert all(r.finish_reason == "length" for r in res)
+    if temperature == 0.0:
+        assert tokens(res) == tokens(make_engine(spec_models["qwen2"]).generate(reqs))
 
 
 def test_deferred_drafts_negative_control(spec_models, monkeypatch):

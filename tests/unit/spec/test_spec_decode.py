@@ -81,11 +81,11 @@ def test_non_finite_drafter_falls_back(spec_models):
             assert tokens(res) == tokens(base)
             assert [r.logprobs for r in res] == [r.logprobs for r in base]
             for r in res:
-                # every decode step after the prefill but the last (one token of budget
-                # left: nothing to draft) tried to speculate and fell back
-                assert r.spec_stats["fallbacks"] == len(r.token_ids) - 2 > 0
+                # every decode step after the prefill tried to speculate and fell back (the
+                # last one too: chains are not capped by the token budget left)
+                assert r.spec_stats["fallbacks"] == len(r.token_ids) - 1 > 0
                 assert r.spec_stats["num_drafts"] == 0
-            assert engine.spec_decoder.metrics.summary()["total"]["fallbacks"] == 4 * 6
+            assert engine.spec_decoder.metrics.summary()["total"]["fallbacks"] == 4 * 7
     # Sampling too: output is that of plain decoding with the same seed (fallback steps
     # are plain steps, drawing the same noise).
     reqs = requests(VOCAB["llama"], LENGTHS, max_new_tokens=8, temperature=0.9, prompt_seed=3, seed=3)
