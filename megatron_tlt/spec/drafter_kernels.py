@@ -14,9 +14,10 @@ depth-6 chain was ~25 % of a speculative step. Here one forward of T rows is
 with each projection a bandwidth-shaped Triton GEMV with split-K planes that the next
 bracketed kernel adds up (LinearPlanner's fastest row-local config: cuBLAS is not timed
 here, its kernel choice depends on the row count; cuBLAS only above
-MEGATRON_TLT_TRITON_ROWS rows, where no Triton config is planned); the post-attention add + RMSNorm in gate_up's prologue and
-SiLU * up in down's where that timed faster, up to 8 rows: gpu_model.norm_linear /
-silu_linear): about 15 launches, 13 with both prologues.
+MEGATRON_TLT_TRITON_ROWS rows, where no Triton config is planned, or where none runs on
+the device); the post-attention add + RMSNorm in gate_up's prologue and SiLU * up in
+down's where that timed faster, up to 8 rows (gpu_model.norm_linear / silu_linear):
+about 15 launches, 13 with both prologues.
 
 Same math as EagleDrafter.layer_qkv / layer_out / logits, rounded where the decode model's
 kernels round (each projection's output once, after its bias; the residual sums; RMSNorm
