@@ -358,12 +358,16 @@ class LinearPlanner(PlanCache):
         m = max(x.shape[0], rows or 0)
         if x.device.type != "cuda" or m > _MAX_TRITON_ROWS:
             return CUBLAS
+        return self._plan(x, weight, m, split, row_local)[0]
+
+    def _plan(self, x, weight, m: int, split: bool, row_local: bool) -> tuple[LinearConfig, float]:
+        """(config, us) of the plan for m rows, timed at first use."""
         # Row counts are planned per bucket (_row_bucket; a verify step's B * Q takes many
         # values); a bucket's config serves every row count up to it.
         key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
         if row_local:
             key += (_ROW_LOCAL,)
-        return self._choose(self.plans, key, lambda: self._tune(x, weight, key))[0]
+        return self._choose(self.plans, key, lambda: self._tune(x, weight, key))
 
     def fused_config(self, kind: str,  # "norm" | "silu"
                      planes: torch.Tensor,  # [S, M, *] the prologue's input planes
@@ -395,15 +399,14 @@ class LinearPlanner(PlanCache):
         p = torch.randn(s_in, m, planes.shape[2], dtype=planes.dtype, device=dev)
         res = torch.randn(m, k, dtype=dt, device=dev)
         nw = norm_weight if norm_weight is not None else torch.ones(k, dtype=dt, device=dev)
-        self.config(torch.randn(m, k, dtype=dt, device=dev), weight,  # the unfused projection's plan
-                    row_local=row_local)
+        _, proj_us = self._plan(torch.randn(m, k, dtype=dt, device=dev), weight, m, True,
+                                row_local)  # the unfused projection's plan
         ws = _weight_copies(weight)
         if kind == "norm":
             consumer = lambda i: rms_norm(p, nw, eps, residual=res)  # noqa: E731
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
-        unfused_key = (m, n, k, dt, True) + ((_ROW_LOCAL,) if row_local else ())
-        unfused = _time_us(consumer, self.iters) + self.plans[unfused_key][1]
+        unfused = _time_us(consumer, self.iters) + proj_us
         best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
             if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
