@@ -63,7 +63,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "in torch ops instead of the Triton kernel path, "
                         "MEGATRON_TLT_DRAFTER_KERNELS=0's step); NAME@D: chain depth D, "
                         "NAME@B:D/B:D...: a depth schedule by running batch (--spec-depth's "
-                        "form with / for its commas, e.g. eagle@1:6/8:5/32:4) "
+                        "form with / for its commas, e.g. eagle@1:6/8:5/32:4); a depth DxK is "
+                        "a top-K tree (eagle@6x2, eagle@1:6x2/4:5/32:4) "
                         "(default: eagle with --drafter, else ngram)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16, 32])
     p.add_argument("--temperature", type=float, default=0.9)
@@ -86,6 +87,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft depth, or depths by running batch size BATCH:DEPTH,... (e.g. "
                         "1:6,8:4,32:3: depth 6 up to 1 running sequence, 4 up to 8, else 3; "
+                        "a depth DxK drafts top-K trees there, e.g. 1:6x2,8:4,32:4; "
                         f"default {DEFAULT_SPEC_DEPTH}); a mode NAME@D (or NAME@B:D/B:D...) in --drafters "
                         "uses its own")
     p.add_argument("--spec-topk", type=int, default=1)
@@ -134,12 +136,13 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
         raise TLTError(f"bench spec: --drafters takes eagle, ngram, eagle-readback, eagle-ahead, "
                        f"eagle-noahead, eagle-vahead, eagle-torchprobs, eagle-onehot and/or "
                        f"eagle-torchlayer, "
-                       f"each optionally @DEPTH or @B:D/B:D... (e.g. eagle@3, eagle@1:6/32:4), once each, "
+                       f"each optionally @DEPTH, @DxK (a top-K tree) or @B:D/B:D... (e.g. eagle@3, eagle@6x2, "
+                       f"eagle@1:6/32:4), once each, "
                        f"got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
-    from megatron_tlt.spec.tree import parse_depth_schedule
-    parse_depth_schedule(args.spec_depth)  # ConfigError now, not after loading the model
+    from megatron_tlt.spec.tree import parse_strategy_schedule
+    parse_strategy_schedule(args.spec_depth)  # ConfigError now, not after loading the model
     args.drafter_names = names
     return args
 
@@ -153,11 +156,12 @@ def _mode(name: str) -> tuple[str, int | str | None] | None:
         return None
     if not depth:
         return kind, None
-    if ":" in depth:  # a schedule, B:D pairs separated by / (commas separate the modes)
-        from megatron_tlt.spec.tree import parse_depth_schedule
+    if ":" in depth or "x" in depth:  # a schedule (B:D pairs separated by /; commas separate
+        # the modes) or a tree DxK
+        from megatron_tlt.spec.tree import parse_strategy_schedule
         schedule = depth.replace("/", ",")
         try:
-            parse_depth_schedule(schedule)
+            parse_strategy_schedule(schedule)
         except TLTError:
             return None
         return kind, schedule
@@ -176,7 +180,7 @@ def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:
 
 # SpecDecoder's step counts among _counters: reported per run, not as events
 _STEP_COUNTS = ("deferred_steps", "ahead_steps", "adopted_steps", "verify_ahead_steps",
-                "verify_adopted_steps")
+                "verify_adopted_steps", "tree_steps", "eager_draft_steps")
 
 
 def _counters(engine, decoder) -> dict[str, int]:
@@ -200,6 +204,11 @@ def _counters(engine, decoder) -> dict[str, int]:
         g = getattr(decoder.drafter, "_chain_graphs", None)
         if g is not None:
             out.update(draft_captures=g.num_captures, draft_invalidations=g.num_invalidations)
+        t = getattr(decoder.drafter, "_tree_graphs", None)
+        if t is not None:
+            out.update(tree_captures=t.num_captures, tree_invalidations=t.num_invalidations)
+        out["tree_steps"] = t.num_steps if t is not None else 0
+        out["eager_draft_steps"] = getattr(decoder.drafter, "num_eager_steps", 0)
     return out
 
 

@@ -391,8 +391,9 @@ class RolloutConfig(ConfigSection):
     spec_depth: int | str = DEFAULT_SPEC_DEPTH
     """Draft tokens per speculative step (tree depth); or by running batch size,
     "BATCH:DEPTH,..." (e.g. "1:6,8:4,32:3": 6 while one sequence runs, 4 up to 8, else 3:
-    deep chains for the long tail, shallow ones for the full batch). Default
-    DEFAULT_SPEC_DEPTH: 6 at batch 1, else 4."""
+    deep chains for the long tail, shallow ones for the full batch); a depth "DxK" drafts
+    top-K trees for its entry (e.g. "1:6x2,8:4,32:4"). Default DEFAULT_SPEC_DEPTH: 6 at
+    batch 1, else 4."""
     spec_topk: int = 1
     """Tree branching: 1 = chain; k > 1 = EAGLE-2 dynamic tree."""
     spec_num_verify: int | None = None
@@ -414,12 +415,12 @@ class RolloutConfig(ConfigSection):
         )
         self._check_min("top_k", 0)
         self._check_min("n_samples", 1)
-        from megatron_tlt.spec.tree import parse_depth_schedule  # parsing only: not the decoder
+        from megatron_tlt.spec.tree import parse_strategy_schedule  # parsing only: not the decoder
         try:
-            schedule = parse_depth_schedule(self.spec_depth)
+            schedule = parse_strategy_schedule(self.spec_depth)
         except ConfigError as e:
             raise ConfigError(f"{self._key('spec_depth')}: {e}") from None
-        if schedule[0][0] is None:  # one depth (an override's text "5" too): the integer
+        if schedule[0][0] is None and schedule[0][2] is None:  # one depth (an override's "5" too)
             object.__setattr__(self, "spec_depth", schedule[0][1])
 
 

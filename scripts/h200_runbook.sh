@@ -17,12 +17,13 @@
 #             resumes at the next call (train_drafter keeps its state)
 #   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,4,16,32),
 #             SPEC_MODES (default eagle,eagle-torchlayer,eagle-onehot: the drafter's kernel
-#             path against its torch ops, argmax chains against sampled ones), SPEC_TAG
+#             path against its torch ops, argmax chains against sampled ones; trees:
+#             eagle@1:6x2/4:4/32:4 drafts top-2 trees of depth 6 at batch 1), SPEC_TAG
 #             (default _s19), the defaults otherwise; JSONs and logs into RESULTS_DIR
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
 #   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the fused sampler's,
-#             verify-probs', pick kernels' and drafter graphs' files; then test_engine_gpu.py
+#             verify-probs', pick kernels', drafter chain and tree graphs' files; then test_engine_gpu.py
 #             -k ENGINE_K: split merge, linear configs, fused prologues, sampling graphs),
 #             then tools/profile_generate.py --shape 1.5b --batch-sizes 1,32 with every
 #             kernel of sessions 18-19 on and off (random weights, no target needed;
@@ -85,7 +86,7 @@ case "$STAGE" in
     if [[ $parts == *tests* ]]; then
     # shellcheck disable=SC2086
     timeout "$(( $(left) - res ))" $PY -m pytest -q -p no:cacheprovider \
-        ${KERNEL_TESTS:-tests/gpu/test_triton_sample_gpu.py tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py} \
+        ${KERNEL_TESTS:-tests/gpu/test_triton_sample_gpu.py tests/gpu/test_triton_verify_probs_gpu.py tests/gpu/test_triton_pick_gpu.py tests/gpu/test_eagle_graph_gpu.py tests/gpu/test_eagle_tree_graph_gpu.py} \
         > "$RESULTS/gpu_tests_kernels.log" 2>&1
     echo "[runbook] kernels tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_kernels.log"

@@ -119,13 +119,14 @@ def _spec_graph_replays(engine, decoder, b: int) -> dict[str, float]:
     positions of finished sequences): the chain drafter, the verify forward and the
     verification math. The SD step's wall minus their sum is host work and syncs."""
     out: dict[str, float] = {}
-    cg = getattr(decoder.drafter, "_chain_graphs", None)
-    if cg is not None:
-        from megatron_tlt.spec.eagle_graph import BUCKETS
-        cb = next(x for x in BUCKETS if x >= b)
-        for key, (graph, _) in cg._graphs.items():
+    from megatron_tlt.spec.eagle_graph import BUCKETS
+    cb = next(x for x in BUCKETS if x >= b)
+    for name in ("_chain_graphs", "_tree_graphs"):
+        cg = getattr(decoder.drafter, name, None)
+        for key, (graph, _) in (cg._graphs.items() if cg is not None else ()):
             if key[0] == cb and graph is not None:
-                out[f"draft_chain_depth{key[1]}"] = _replay_ms(graph.replay)
+                what = f"chain_depth{key[1]}" if name == "_chain_graphs" else "tree_{}x{}".format(*key[1])
+                out[f"draft_{what}"] = _replay_ms(graph.replay)
     runner = engine.decode_runner
     vb = runner.bucket_for(b)
     for (bucket, q), (graph, _) in runner._vgraphs.items():
@@ -140,13 +141,13 @@ def _spec_graph_replays(engine, decoder, b: int) -> dict[str, float]:
     return out
 
 
-def random_spec_setup(shape: str, max_b: int, prompt_len: int, new: int):
+def random_spec_setup(shape: str, max_b: int, prompt_len: int, new: int, spec_depth: str = "4"):
     """(engine, EAGLE SpecDecoder, max_b prompts) on random weights of a benchmark shape:
     bf16 with the fast path on a GPU, float32 on CPU; a random one-layer drafter with a
-    128-token draft vocabulary, depth-4 chains; room for prompt_len + new tokens."""
-    from megatron_tlt.spec.decode import SpecDecoder
+    128-token draft vocabulary, depth-4 chains (spec_depth: --spec-depth's form, DxK
+    entries draft top-K trees); room for prompt_len + new tokens."""
+    from megatron_tlt.spec.decode import SpecDecoder, depth_policy
     from megatron_tlt.spec.eagle import DrafterConfig, EagleDrafter, EagleProposer
-    from megatron_tlt.spec.tree import Strategy
 
     arch = ModelArch(**SHAPES[shape])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,7 +161,7 @@ def random_spec_setup(shape: str, max_b: int, prompt_len: int, new: int):
                            **fast_path_options(dev))
     cfg = DrafterConfig(arch=arch, draft_vocab_size=128)
     drafter = EagleDrafter(cfg, w.embed, w.lm_head, draft_to_target=torch.arange(128))
-    decoder = SpecDecoder(EagleProposer(drafter), Strategy(depth=4, topk=1))
+    decoder = SpecDecoder(EagleProposer(drafter), policy=depth_policy(spec_depth))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (prompt_len,), generator=g).tolist() for _ in range(max_b)]
     return engine, decoder, prompts
@@ -173,6 +174,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--json", default=None)
+    p.add_argument("--spec-depth", default="4",
+                   help="the EAGLE decoder's depth or schedule (generate's --spec-depth form; "
+                        "DxK: top-K trees, e.g. 1:6x2,32:4)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace-dir", default=None,
                    help="also write a gzipped chrome trace (torch.profiler, CUDA) of one short "
@@ -185,9 +189,9 @@ def main() -> None:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     max_b = max(sizes)
     short, long_ = 8, 72
-    engine, decoder, prompts = random_spec_setup(a.shape, max_b, a.prompt_len, long_)
+    engine, decoder, prompts = random_spec_setup(a.shape, max_b, a.prompt_len, long_, a.spec_depth)
     dev = engine.device
-    report = {"shape": a.shape, "temperature": a.temperature, "results": []}
+    report = {"shape": a.shape, "temperature": a.temperature, "spec_depth": a.spec_depth, "results": []}
     for b in sizes:
         ps = prompts[:b]
         row = {"batch": b}

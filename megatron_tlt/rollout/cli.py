@@ -16,7 +16,8 @@ distribution otherwise): --spec eagle --drafter DIR (a drafter from
 `python -m megatron_tlt.spec.train_drafter` or `megatron-tlt export-drafter`) or --spec
 ngram (model-free suffix matching against the prompt, the other samples of the prompt and
 earlier responses). --spec-depth/--spec-topk/--spec-num-verify set the draft tree (topk 1:
-chain; --spec-depth 1:6,8:4,32:3 sets the depth by running batch size); --spec-threshold N
+chain; --spec-depth 1:6,8:4,32:3 sets the depth by running batch size, 1:6x2,8:4 a top-2
+tree at batch 1); --spec-threshold N
 speculates only while at most N sequences run. Per request,
 `spec` holds drafted/accepted/num_drafts/acceptance_rate/acceptance_length/fallbacks;
 a summary by batch-size bucket goes to stderr and, with --spec-summary FILE, to JSON.
@@ -63,7 +64,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--spec-depth", default=DEFAULT_SPEC_DEPTH,
                    help="draft tokens along the longest path; or by running batch size, "
                         "BATCH:DEPTH,... (e.g. 1:6,8:4,32:3: 6 while one sequence runs, 4 up to "
-                        f"8, else 3; default {DEFAULT_SPEC_DEPTH}: 6 at batch 1, else 4)")
+                        f"8, else 3; default {DEFAULT_SPEC_DEPTH}: 6 at batch 1, else 4); a depth "
+                        "DxK drafts top-K trees for that entry (e.g. 1:6x2,8:4,32:4)")
     g.add_argument("--spec-topk", type=int, default=1, help="children per tree node (1 = chain)")
     g.add_argument("--spec-num-verify", type=int, default=None,
                    help="tree nodes verified per step, root included (default: depth + 1 for a "

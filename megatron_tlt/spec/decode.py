@@ -104,7 +104,8 @@ from megatron_tlt.errors import ConfigError
 from megatron_tlt.rollout.sampling import exponential_noise, uniform_noise
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.stats import SpecMetrics, finalize_request_stats, new_request_stats
-from megatron_tlt.spec.tree import DraftTree, Strategy, TreeBatch, TreeBuilder, parse_depth_schedule  # noqa: F401 (re-exported)
+from megatron_tlt.spec.tree import (DraftTree, Strategy, TreeBatch, TreeBuilder,  # noqa: F401 (re-exported)
+                                    parse_depth_schedule, parse_strategy_schedule)
 from megatron_tlt.spec.verify import nvtx_range, verify_tree_greedy, verify_tree_rejection
 from megatron_tlt.spec.verify_math import GRAPHS_ENV, MATH_MAX_BATCH, VerifyMath, canonical_device
 
@@ -273,9 +274,11 @@ class ThresholdPolicy(BatchSchedulePolicy):
 
 def depth_policy(depth: str | int, *, topk: int = 1, num_verify_tokens: int | None = None,
                  threshold: int | None = None) -> BatchSchedulePolicy:
-    """The policy of a `--spec-depth` value (parse_depth_schedule) with these tree options."""
-    return BatchSchedulePolicy([(b, Strategy(depth=d, topk=topk, num_verify_tokens=num_verify_tokens))
-                                for b, d in parse_depth_schedule(depth)], threshold)
+    """The policy of a `--spec-depth` value (parse_strategy_schedule) with these tree
+    options (an entry's own DxK width overrides topk)."""
+    return BatchSchedulePolicy([(b, Strategy(depth=d, topk=topk if k is None else k,
+                                             num_verify_tokens=num_verify_tokens))
+                                for b, d, k in parse_strategy_schedule(depth)], threshold)
 
 
 def _env_switch(name: str, default: bool) -> bool:
@@ -397,10 +400,12 @@ class SpecDecoder:
 
     def capture_seconds(self) -> float:
         """Wall seconds this decoder's CUDA graphs took to capture (verification math and
-        the EAGLE chain graphs), warm-ups included; 0 without graphs (CPU)."""
+        the EAGLE chain and tree graphs), warm-ups included; 0 without graphs (CPU)."""
         t = self._math.capture_s if self._math is not None else 0.0
-        g = getattr(self.drafter, "_chain_graphs", None)
-        return t + (g.capture_s if g is not None else 0.0)
+        for name in ("_chain_graphs", "_tree_graphs"):
+            g = getattr(self.drafter, name, None)
+            t += g.capture_s if g is not None else 0.0
+        return t
 
     def release_verify_graphs(self) -> None:
         """Free the verification fast path's graphs and buffers (e.g. while the engine

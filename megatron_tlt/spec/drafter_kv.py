@@ -125,24 +125,35 @@ class SlotKV:
         if paged_levels(q):
             from megatron_tlt.rollout.triton_attention import paged_attention
             return paged_attention(q, self.k, self.v, slots[:, None], last + 1, scale=scale)
-        n, h, d = q.shape
-        kvh, cap = self.kv_heads, self.capacity
-        rep = h // kvh
-        k = self.k.index_select(0, slots)  # [N, cap, KVH, D]
-        v = self.v.index_select(0, slots)
-        cpu = q.device.type == "cpu"
-        qg = q.reshape(n, kvh, rep, d)
-        kt = k.permute(0, 2, 1, 3)  # [N, KVH, cap, D]
-        if cpu:  # [N, KVH, rep, cap, D] summed over D
-            scores = (qg[:, :, :, None, :] * kt[:, :, None, :, :]).sum(-1) * scale
-        else:
-            scores = torch.matmul(qg, kt.transpose(2, 3)) * scale  # [N, KVH, rep, cap]
+        cap = self.capacity
         seen = torch.arange(cap, device=q.device) <= last[:, None]  # [N, cap]
-        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        vt = v.permute(0, 2, 1, 3)  # [N, KVH, cap, D]
-        if cpu:  # [N, KVH, rep, cap, D] summed over cap
-            out = (probs[..., None] * vt[:, :, None, :, :]).sum(-2)
-        else:
-            out = torch.matmul(probs, vt)
-        return out.reshape(n, h, d)  # [N, KVH, rep, D] -> [N, H, D]
+        return attend_masked(q, self.k.index_select(0, slots), self.v.index_select(0, slots), seen, scale)
+
+
+def attend_masked(q: torch.Tensor,  # [N, heads, head_dim]: one query per row, RoPE applied
+                  k: torch.Tensor,  # [N, S, kv_heads, head_dim]: each row's own keys
+                  v: torch.Tensor,  # [N, S, kv_heads, head_dim]
+                  seen: torch.Tensor,  # [N, S] bool: the keys the row's query sees
+                  scale: float) -> torch.Tensor:  # [N, heads, head_dim]
+    """Masked GQA attention of one query per row over its own S keys, a fixed number of
+    ops (query head h reads KV head h // (H / KVH)); masked keys' weights are exactly 0,
+    so their V must be finite. On the CPU the two products are broadcast multiplies and
+    sums, which keep a row's bits independent of the other rows (SlotKV.attend_one)."""
+    n, h, d = q.shape
+    kvh, s = k.shape[2], k.shape[1]
+    rep = h // kvh
+    cpu = q.device.type == "cpu"
+    qg = q.reshape(n, kvh, rep, d)
+    kt = k.permute(0, 2, 1, 3)  # [N, KVH, S, D]
+    if cpu:  # [N, KVH, rep, S, D] summed over D
+        scores = (qg[:, :, :, None, :] * kt[:, :, None, :, :]).sum(-1) * scale
+    else:
+        scores = torch.matmul(qg, kt.transpose(2, 3)) * scale  # [N, KVH, rep, S]
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    vt = v.permute(0, 2, 1, 3)  # [N, KVH, S, D]
+    if cpu:  # [N, KVH, rep, S, D] summed over S
+        out = (probs[..., None] * vt[:, :, None, :, :]).sum(-2)
+    else:
+        out = torch.matmul(probs, vt)
+    return out.reshape(n, h, d)  # [N, KVH, rep, D] -> [N, H, D]

@@ -50,6 +50,8 @@ from megatron_tlt.spec.drafter_kv import QUERY_TILE, SlotKV, paged_levels
 from megatron_tlt.spec.eagle_graph import ChainGraphs
 from megatron_tlt.spec.eagle_graph import enabled as chain_graphs_enabled
 from megatron_tlt.spec.eagle_graph import fused_pick, plan_rows
+from megatron_tlt.spec.eagle_tree_graph import TreeGraphs
+from megatron_tlt.spec.eagle_tree_graph import enabled as tree_graphs_enabled
 from megatron_tlt.spec.sampling_ref import process_logits
 from megatron_tlt.spec.sampling_ref import sample as race_sample
 from megatron_tlt.spec.tree import TreeBuilder
@@ -590,6 +592,12 @@ class EagleProposer(Drafter):
         distributions written or read and no noise drawn for the drafts. Off by default
         (`bench spec --drafters eagle-onehot` times it against the sampled chains)."""
         self._chain_graphs: ChainGraphs | None = None
+        self.static_trees: bool | None = None
+        """Tree steps through eagle_tree_graph.TreeGraphs (static buffers, one CUDA graph
+        replay and one read-back per step). None: on a CUDA device unless
+        MEGATRON_TLT_TREE_GRAPHS=0; True: also on CPU (eagerly on the static buffers);
+        False: never (the per-sequence tree path)."""
+        self._tree_graphs: TreeGraphs | None = None
         self.num_eager_steps = 0
         """Proposals drafted on the eager path (trees, or chains the static path does not
         serve)."""
@@ -604,8 +612,9 @@ class EagleProposer(Drafter):
         inv = bool(engine.model.batch_invariant)
         if inv != self.drafter.batch_invariant:
             self.drafter.batch_invariant = inv
-            if self._chain_graphs is not None:
-                self._chain_graphs.release()  # captured with the other products
+            for g in (self._chain_graphs, self._tree_graphs):
+                if g is not None:
+                    g.release()  # captured with the other products
 
     def _state(self, seq) -> _SeqState:
         st = self.states.get(seq.seq_id)
@@ -634,8 +643,9 @@ class EagleProposer(Drafter):
     def reset(self):
         self.states.clear()
         self.kv.reset()
-        if self._chain_graphs is not None:
-            self._chain_graphs.reset()
+        for g in (self._chain_graphs, self._tree_graphs):
+            if g is not None:
+                g.reset()
 
     def chain_graphs(self) -> ChainGraphs | None:
         """The static-buffer chain drafter, when this proposer uses one (static_chains)."""
@@ -644,6 +654,14 @@ class EagleProposer(Drafter):
             if self.static_chains or (cuda and chain_graphs_enabled()):
                 self._chain_graphs = ChainGraphs(self, use_graphs=cuda)
         return self._chain_graphs
+
+    def tree_graphs(self) -> TreeGraphs | None:
+        """The static-buffer tree drafter, when this proposer uses one (static_trees)."""
+        if self._tree_graphs is None and self.static_trees is not False:
+            cuda = torch.device(self.kv.device).type == "cuda"
+            if self.static_trees or (cuda and tree_graphs_enabled()):
+                self._tree_graphs = TreeGraphs(self, use_graphs=cuda)
+        return self._tree_graphs
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -721,6 +739,11 @@ class EagleProposer(Drafter):
         launched = self.launch(seqs, strategy, caps, running)
         if launched is not None:
             return launched.collect()
+        if not strategy.is_chain:
+            tg = self.tree_graphs()
+            setting = tg.setting(seqs, strategy) if tg is not None else None
+            if setting is not None:
+                return tg.propose(seqs, strategy, caps, setting)
         self.num_eager_steps += 1
         builders = [TreeBuilder(s.token_ids[-1], strategy, cap) for s, cap in zip(seqs, caps)]
         # (1) extend over the committed pairs not yet consumed; the last one is the root.

@@ -123,13 +123,8 @@ class ChainGraphs:
         p = self.p
         if not strategy.is_chain or not p.batched or not 0 < len(seqs) <= MAX_BUCKET:
             return None
-        for s in seqs:
-            st = p.states.get(s.seq_id)
-            n = len(s.token_ids) - 1 - (st.num_pairs if st else 0)
-            if st is None or st.num_features != len(s.token_ids) - 1 or not 1 <= n <= QUERY_TILE:
-                return None
-            if sum(x.shape[0] for x in st.pending) != n:
-                return None
+        if not self._ready(seqs):
+            return None
         params = [s.request.sampling_params for s in seqs]
         if p.one_hot_chains or all(x.temperature <= 0 for x in params):
             return ("greedy",)  # argmax chains (one-hot proposals for sampled targets)
@@ -137,6 +132,19 @@ class ChainGraphs:
         if len(key) != 1 or next(iter(key))[0] <= 0:
             return None
         return ("sampled",) + next(iter(key))
+
+    def _ready(self, seqs) -> bool:
+        """Every sequence has a drafter state with features for all its committed pairs,
+        1..QUERY_TILE of them new, exactly those pending (what one tile extends)."""
+        p = self.p
+        for s in seqs:
+            st = p.states.get(s.seq_id)
+            n = len(s.token_ids) - 1 - (st.num_pairs if st else 0)
+            if st is None or st.num_features != len(s.token_ids) - 1 or not 1 <= n <= QUERY_TILE:
+                return False
+            if sum(x.shape[0] for x in st.pending) != n:
+                return False
+        return True
 
     # ---- buffers ------------------------------------------------------------------------
 
@@ -195,28 +203,10 @@ class ChainGraphs:
         depth = min(strategy.depth, strategy.num_draft_nodes)
         states = [p.states[s.seq_id] for s in seqs]
         sampled = setting[0] == "sampled"
-        bucket, buf = self._load_rows(seqs, states, [st.num_pairs for st in states], depth, sampled,
-                                      tokens=True)
-        dest, pieces = [], []
-        for r, (s, st) in enumerate(zip(seqs, states)):
-            n = len(s.token_ids) - 1 - st.num_pairs
-            dest.extend(range(r * QUERY_TILE, r * QUERY_TILE + n))
-            pieces.extend(st.pending)
-        m = len(dest)
-        buf["dest_host"].numpy()[:m] = dest
-        ints, feats = buf["ints"], buf["feats"]
-        ints.copy_(buf["host"], non_blocking=True)
-        idx = buf["dest"][:m]
-        idx.copy_(buf["dest_host"][:m], non_blocking=True)
-        self._copied(ints)
-        feats.zero_()
-        src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
-        feats.index_copy_(0, idx, src.to(feats.device, feats.dtype))
+        bucket, buf = self._load_inputs(seqs, states, depth, sampled)
         out = self._run(bucket, depth, setting, buf)
         self.num_steps += 1
-        for s, st in zip(seqs, states):
-            st.num_pairs = len(s.token_ids) - 1
-            st.pending = []
+        self._consumed(seqs, states)
         draws = [s.rng.draws for s in seqs] if sampled else None
         return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=depth, out=out, draws=draws,
                            _bad_host=buf["bad_host"][:n_seq], setting=setting)
@@ -262,6 +252,36 @@ class ChainGraphs:
         return ChainAhead(graphs=self, seq_ids=[s.seq_id for s in seqs], states=states, lo=lo,
                           depth=depth, setting=setting, draws=draws, out=out,
                           bad_host=buf["bad_host"][:n_seq])
+
+    def _load_inputs(self, seqs, states, depth: int, sampled: bool) -> tuple[int, dict]:
+        """(bucket, buffers) with the step's inputs queued into the static buffers: the
+        int table (`_load_rows`) and each sequence's pending features at its tile rows."""
+        bucket, buf = self._load_rows(seqs, states, [st.num_pairs for st in states], depth, sampled,
+                                      tokens=True)
+        dest, pieces = [], []
+        for r, (s, st) in enumerate(zip(seqs, states)):
+            n = len(s.token_ids) - 1 - st.num_pairs
+            dest.extend(range(r * QUERY_TILE, r * QUERY_TILE + n))
+            pieces.extend(st.pending)
+        m = len(dest)
+        buf["dest_host"].numpy()[:m] = dest
+        ints, feats = buf["ints"], buf["feats"]
+        ints.copy_(buf["host"], non_blocking=True)
+        idx = buf["dest"][:m]
+        idx.copy_(buf["dest_host"][:m], non_blocking=True)
+        self._copied(ints)
+        feats.zero_()
+        src = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one sequence: no concatenation
+        feats.index_copy_(0, idx, src.to(feats.device, feats.dtype))
+        return bucket, buf
+
+    @staticmethod
+    def _consumed(seqs, states) -> None:
+        """The proposer's bookkeeping once a step's inputs are loaded: every committed pair
+        consumed, no features pending."""
+        for s, st in zip(seqs, states):
+            st.num_pairs = len(s.token_ids) - 1
+            st.pending = []
 
     def _load_rows(self, seqs, states, lo: list[int], depth: int, sampled: bool, *,
                    tokens: bool) -> tuple[int, dict]:
@@ -310,9 +330,11 @@ class ChainGraphs:
         return ChainLaunch(seqs=list(seqs), caps=list(caps), depth=ahead.depth, out=ahead.out,
                            draws=ahead.draws, _bad_host=ahead.bad_host, setting=ahead.setting)
 
-    def _run(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
+    def _run(self, bucket: int, shape, setting: tuple, buf) -> dict[str, torch.Tensor]:
+        """The step's body for `bucket` rows (shape: the chain depth; TreeGraphs: (depth,
+        topk)): replayed from its graph on CUDA (captured at first use), else run."""
         if not self.use_graphs:
-            return self._body(bucket, depth, setting, buf)
+            return self._body(bucket, shape, setting, buf)
         kv, d = self.p.kv, self.p.drafter
         d.refresh_fused()  # in place: the graphs read the fused weights
         kv_key = (kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity, kv.num_slots,
@@ -320,16 +342,16 @@ class ChainGraphs:
         if kv_key != self._kv_key:
             self.release()  # buffers moved: every graph reads stale addresses
             self._kv_key = kv_key
-        key = (bucket, depth, setting)
+        key = (bucket, shape, setting)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(bucket, depth, setting, buf)
+            entry = self._graphs[key] = self._capture(bucket, shape, setting, buf)
         graph, out = entry
         graph.replay()
         self.num_replays += 1
         return out
 
-    def _capture(self, bucket, depth, setting, buf):
+    def _capture(self, bucket, shape, setting, buf):
         dev = buf["ints"].device
         t0 = time.perf_counter()
         if self._pool is None:
@@ -340,11 +362,11 @@ class ChainGraphs:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._body(bucket, depth, setting, buf)
+            self._body(bucket, shape, setting, buf)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with graph_capture(graph, pool=self._pool):
-            out = self._body(bucket, depth, setting, buf)
+            out = self._body(bucket, shape, setting, buf)
         self.num_captures += 1
         torch.cuda.synchronize(dev)
         self.capture_s += time.perf_counter() - t0
@@ -358,11 +380,12 @@ class ChainGraphs:
 
     # ---- the captured function ------------------------------------------------------------
 
-    def _body(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
-        """Extend + chain for `bucket` rows of static inputs; no host syncs, no host->device
-        copies (capturable)."""
-        d = self.p.drafter
-        a, kv = d.arch, self.p.kv
+    def _extend_body(self, bucket: int, buf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The captured extend: each row's new pairs (one tile per sequence) through the
+        layer's first half, K/V into its slot; only the tile's last real pair, the root,
+        goes on. Returns the roots' (f [bucket, hidden], draft logits, base [bucket]: the
+        committed pairs after the extend, the first draft level's pair index)."""
+        d, kv = self.p.drafter, self.p.kv
         ints, feats = buf["ints"], buf["feats"]
         dev = ints.device
         slot, lo, n = ints[:, _SLOT], ints[:, _LO], ints[:, _N]
@@ -377,9 +400,20 @@ class ChainGraphs:
         # Only each tile's root (its last real pair) goes on: the other pairs' K/V are all
         # the chain needs of them (as in the eager extend).
         root = torch.arange(bucket, device=dev) * QUERY_TILE + n - 1
-        base = lo + n
         f, lg, _ = d.forward_kv(tile_tokens, feats, (pair + 1).clamp(max=top), kv, tile_slots, pair,
                                 rows=bucket * QUERY_TILE, query=root, query_rows=bucket)
+        return f, lg, lo + n
+
+    def _body(self, bucket: int, depth: int, setting: tuple, buf) -> dict[str, torch.Tensor]:
+        """Extend + chain for `bucket` rows of static inputs; no host syncs, no host->device
+        copies (capturable)."""
+        d = self.p.drafter
+        a, kv = d.arch, self.p.kv
+        ints = buf["ints"]
+        dev = ints.device
+        slot = ints[:, _SLOT]
+        f, lg, base = self._extend_body(bucket, buf)
+        top = d.rope_cos.shape[0] - 1
         out_ints = torch.zeros(bucket, 2 * depth, dtype=torch.int64, device=dev)
         out = {"ints": out_ints}
         sampled = setting[0] == "sampled"

@@ -80,27 +80,53 @@ class Strategy:
 
 
 def parse_depth_schedule(text: str | int) -> list[tuple[int | None, int]]:
+    """`--spec-depth` without tree widths: [(bound or None, depth)]
+    (parse_strategy_schedule's form; a DEPTHxTOPK entry is an error here)."""
+    out = []
+    for b, d, k in parse_strategy_schedule(text):
+        if k is not None:
+            raise ConfigError(f"spec depth {text!r}: a tree width (DEPTHxTOPK) is not accepted here")
+        out.append((b, d))
+    return out
+
+
+def _depth_entry(what: str, part: str) -> tuple[int, int | None]:
+    """(depth, topk or None) of "D" or "DxK"; `what` names the value in errors."""
+    d, x, k = part.strip().lower().partition("x")
+    try:
+        depth, topk = int(d), (int(k) if x else None)
+    except ValueError:
+        raise ConfigError(f"{what}: expected an integer or BATCH:DEPTH pairs (e.g. 1:6,8:4,32:3; "
+                          f"a depth DxK drafts top-K trees: 1:6x2,8:4), got {part!r}") from None
+    if depth < 1 or (topk is not None and topk < 1):
+        raise ConfigError(f"{what}: batch sizes, depths and tree widths must be >= 1")
+    return depth, topk
+
+
+def parse_strategy_schedule(text: str | int) -> list[tuple[int | None, int, int | None]]:
     """`--spec-depth`: one depth ("4", 4) or depths by running batch size,
     "B1:D1,B2:D2,...": depth D1 while at most B1 sequences run, else D2 while at most B2,
-    ...; above the last bound, the last depth. Returns [(bound or None, depth)]."""
+    ...; above the last bound, the last depth. A depth may carry a tree width, DxK (e.g.
+    "1:6x2,8:4,32:4": top-2 trees of depth 6 for one running sequence, chains above):
+    K overrides --spec-topk for that entry. Returns [(bound or None, depth, topk or None)]."""
     raw = str(text).strip()
     if ":" not in raw:
-        try:
-            return [(None, int(raw))]
-        except ValueError:
-            raise ConfigError(f"spec depth {text!r}: expected an integer or BATCH:DEPTH pairs "
-                              "(e.g. 1:6,8:4,32:3)") from None
-    out: list[tuple[int | None, int]] = []
+        return [(None, *_depth_entry(f"spec depth {text!r}", raw))]
+    out: list[tuple[int | None, int, int | None]] = []
     for part in raw.split(","):
+        b, sep, d = part.partition(":")
         try:
-            b, d = (int(x) for x in part.split(":"))
+            b = int(b)
         except ValueError:
-            raise ConfigError(f"spec depth schedule {text!r}: {part!r} is not BATCH:DEPTH") from None
-        if b < 1 or d < 1:
-            raise ConfigError(f"spec depth schedule {text!r}: batch sizes and depths must be >= 1")
+            b = None
+        if not sep or b is None:
+            raise ConfigError(f"spec depth schedule {text!r}: {part!r} is not BATCH:DEPTH (e.g. "
+                              "1:6,8:4,32:3)")
+        if b < 1:
+            raise ConfigError(f"spec depth schedule {text!r}: batch sizes, depths and tree widths must be >= 1")
         if out and b <= out[-1][0]:
             raise ConfigError(f"spec depth schedule {text!r}: batch bounds must increase")
-        out.append((b, d))
+        out.append((b, *_depth_entry(f"spec depth schedule {text!r}", d)))
     return out
 
 
@@ -385,8 +411,17 @@ class TreeBuilder:
                 if vals[r][j] != float("-inf"):
                     cands.append((self.scores[f] + vals[r][j], r, j, f, ids[r][j]))
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
-        nodes = [self._add(tok, f, s) for s, _, _, f, tok in cands]
-        self.frontier = nodes[:k]
+        self.expand_candidates([(tok, r, s) for s, r, _, _, tok in cands])
+
+    def expand_candidates(self, cands: list[tuple[int, int, float]]) -> None:
+        """One level's candidates (token, frontier row, cumulative score), already in rank
+        order (score descending, then frontier row, then the row's own rank): each is a new
+        node, those of score -inf dropped; the first topk are the next frontier (what
+        expand_topk does with the candidates it ranks; eagle_tree_graph ranks them on the
+        device)."""
+        f = self.frontier
+        nodes = [self._add(tok, f[r], s) for tok, r, s in cands if s != float("-inf")]
+        self.frontier = nodes[:self.strategy.topk]
         self.level += 1
 
     def expand_sampled(self, token: int, draft_row: torch.Tensor) -> None:

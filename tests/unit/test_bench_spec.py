@@ -158,11 +158,19 @@ def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
     by running batch size."""
     path = tmp_path / "spec.json"
     assert main(["bench", "spec", "--json", str(path), "--model", TINY, "--drafter", _drafter(tmp_path / "d"),
-                 "--drafters", "eagle,eagle@1,ngram@2,ngram@1:1/3:2", "--batch-sizes", "1,3", "--max-new-tokens", "12",
+                 "--drafters", "eagle,eagle@1,ngram@2,ngram@1:1/3:2,eagle@1:2x2/3:2", "--batch-sizes", "1,3",
+                 "--max-new-tokens", "12",
                  "--tasks", "sort", "--device", "cpu", "--min-sequences", "0", "--spec-depth", "1:3,3:2", "--ignore-eos",
                  "--breakdown-tokens", "0"]) == 0
     rows = {(r["batch"], r["mode"]): r for r in json.loads(path.read_text())["results"]}
-    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "ngram@1:1/3:2", "ngram@2", "off")]
+    assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("eagle", "eagle@1", "eagle@1:2x2/3:2", "ngram@1:1/3:2",
+                                                             "ngram@2", "off")]
+    # eagle@1:2x2/3:2: top-2 trees of depth 2 (up to 4 draft nodes) while one sequence runs
+    # (on the CPU the per-sequence tree path drafts them), depth-2 chains at 3
+    tree = {b: rows[(b, "eagle@1:2x2/3:2")]["repeats"][0] for b in (1, 3)}
+    assert 2 * tree[1]["num_drafts"] < tree[1]["drafted"] <= 4 * tree[1]["num_drafts"]
+    assert tree[1]["eager_draft_steps"] == tree[1]["num_drafts"] and tree[1]["tree_steps"] == 0
+    assert tree[3]["drafted"] <= 2 * tree[3]["num_drafts"]
     for b in (1, 3):
         one = rows[(b, "eagle@1")]["repeats"][0]
         assert one["num_drafts"] > 0 and one["drafted"] == one["num_drafts"]  # depth 1
@@ -174,7 +182,8 @@ def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
     deep = rows[(1, "eagle")]["repeats"][0]  # one sequence: depth 3
     assert deep["drafted"] > 2 * deep["num_drafts"]
     capsys.readouterr()
-    for bad in ("eagle@0", "eagle@x", "eagle,eagle", "medusa", "eagle@3:1/2:2", "eagle@1:0", "eagle@1:2,3:4"):
+    for bad in ("eagle@0", "eagle@x", "eagle,eagle", "medusa", "eagle@3:1/2:2", "eagle@1:0", "eagle@1:2,3:4",
+                "eagle@2x0", "eagle@1:2x/3:2"):
         assert main(["bench", "spec", "--model", TINY, "--drafter", "d", "--drafters", bad]) == 2
         assert "--drafters takes" in capsys.readouterr().err, bad
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--spec-depth", "3:1,2:2"]) == 2

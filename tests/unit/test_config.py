@@ -331,6 +331,12 @@ def test_spec_depth_schedule(tmp_path):
     one = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram",
                                                                             "rollout.spec_depth=4"])), None)
     assert {one.choose(b).depth for b in (1, 8, 16)} == {4}
+    tree = RLRun._spec_decoder(types.SimpleNamespace(cfg=load_config(None, ["rollout.spec=ngram",
+                                                                             "rollout.spec_depth=1:6x2,8:4"])), None)
+    assert [(tree.choose(b).depth, tree.choose(b).topk) for b in (1, 2)] == [(6, 2), (4, 1)]
+    assert load_config(None, ["rollout.spec_depth=5x2"]).rollout.spec_depth == "5x2"
+    with pytest.raises(ConfigError, match="spec_depth"):
+        load_config(None, ["rollout.spec_depth=1:6x0"])
     # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 6 while one
     # sequence runs, else 4 (above the last bound too); with rollout.spec_threshold's
     # default, SD only while at most 32 sequences run.

@@ -35,31 +35,40 @@ def _seq(seq_id, tokens, temperature, seed=7):
                                  rng=make_noise_stream(seed, seq_id, 0))
 
 
-def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=False, prepare=None):
-    """Propose steps over sequences growing by GROWS tokens in between (ragged pending
-    pairs, the first step with more pairs than a query tile). Returns (trees per step,
-    draws per sequence, static steps taken). prepare(proposer), if given, runs right after
-    the proposer is built."""
+def growing(prop, d, lengths, temps, seed):
+    """Sequences of random tokens and features (prompt lengths `lengths`, temperatures
+    `temps`), observed by `prop`; yields them before each of len(GROWS) propose steps,
+    grown by GROWS[i] tokens (with their features) first."""
     g = torch.Generator().manual_seed(seed)
     full, feats = [], []
     for n in lengths:
         full.append(torch.randint(d.arch.vocab_size, (n + sum(GROWS) + 1,), generator=g).tolist())
         feats.append(torch.randn(n + sum(GROWS), d.arch.hidden_size, generator=g))
-    prop = EagleProposer(d, min_kv_capacity=128)
-    prop.static_chains = static
-    if prepare is not None:
-        prepare(prop)
     seqs = [_seq(i, full[i][:n], t) for i, (n, t) in enumerate(zip(lengths, temps))]
     for s, f in zip(seqs, feats):
         prop.observe(s, 0, f[:len(s.token_ids) - 1])
-    steps = []
     for grow in GROWS:
         for s, f, toks in zip(seqs, feats, full):
             if grow:
                 n0 = len(s.token_ids)
                 s.token_ids = toks[:n0 + grow]
                 prop.observe(s, n0 - 1, f[n0 - 1:n0 - 1 + grow])
-            if perturb_draws:
+        yield seqs
+
+
+def _run(d, temps, lengths, caps, *, static, seed=1, depth=4, perturb_draws=False, prepare=None):
+    """Propose steps over sequences growing by GROWS tokens in between (ragged pending
+    pairs, the first step with more pairs than a query tile). Returns (trees per step,
+    draws per sequence, static steps taken). prepare(proposer), if given, runs right after
+    the proposer is built."""
+    prop = EagleProposer(d, min_kv_capacity=128)
+    prop.static_chains = static
+    if prepare is not None:
+        prepare(prop)
+    steps = []
+    for seqs in growing(prop, d, lengths, temps, seed):
+        if perturb_draws:
+            for s in seqs:
                 s.rng.draws += 1
         with torch.no_grad():
             trees = prop.propose(seqs, Strategy(depth=depth), caps, seqs)

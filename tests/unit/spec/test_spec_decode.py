@@ -203,7 +203,7 @@ def test_depth_schedule_policy():
     above the last bound the last depth; the threshold still turns SD off; a plain integer
     is one depth at every size."""
     from megatron_tlt.errors import ConfigError
-    from megatron_tlt.spec.decode import depth_policy, parse_depth_schedule
+    from megatron_tlt.spec.decode import depth_policy, parse_depth_schedule, parse_strategy_schedule
 
     assert parse_depth_schedule("4") == [(None, 4)] and parse_depth_schedule(5) == [(None, 5)]
     assert parse_depth_schedule(" 1:6,8:4,32:3") == [(1, 6), (8, 4), (32, 3)]
@@ -212,6 +212,15 @@ def test_depth_schedule_policy():
     assert pol(41) is None
     one = depth_policy(4, topk=2, num_verify_tokens=6)
     assert one(1) == one(1000) and (one(7).depth, one(7).topk, one(7).num_draft_nodes) == (4, 2, 5)
-    for bad in ("8:4,1:6", "1:6,1:4", "0:3", "2:0", "a:b", "4:", "x"):
+    for bad in ("8:4,1:6", "1:6,1:4", "0:3", "2:0", "a:b", "4:", "x", "1:6x0", "6x", "1:6x2"):
         with pytest.raises(ConfigError):
             parse_depth_schedule(bad)
+    # DxK: a tree width for that entry (an error where only depths are accepted, above)
+    assert parse_strategy_schedule("1:6x2, 8:4,32:4") == [(1, 6, 2), (8, 4, None), (32, 4, None)]
+    assert parse_strategy_schedule("5X3") == [(None, 5, 3)]
+    mixed = depth_policy("1:6x2,8:4", topk=1, num_verify_tokens=None)
+    assert [(mixed(b).depth, mixed(b).topk, mixed(b).num_draft_nodes) for b in (1, 2, 9)] == \
+        [(6, 2, 12), (4, 1, 4), (4, 1, 4)]
+    for bad in ("1:6x0", "6x", "1:x2", "2:3x2x2"):
+        with pytest.raises(ConfigError):
+            parse_strategy_schedule(bad)
