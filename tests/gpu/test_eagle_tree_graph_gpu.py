@@ -54,7 +54,8 @@ def test_tree_graphs_equal_the_unreplayed_body(model_dir, dtype, temperature, dr
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_generate_with_tree_graphs_equals_the_unreplayed_body(model_dir, temperature):
     """bf16, 4 prompts x 2 samples, top-2 trees of depth 4, then with forced preemption:
-    the same tokens and logprobs with the graphs as without; no eager drafting."""
+    the same tokens and logprobs with the graphs as without; no eager drafting without
+    preemption."""
     reqs = requests(VOCAB["qwen2"], [5, 11, 3, 8], n=2, temperature=temperature, max_new_tokens=32, seed=5)
     for kw in ({}, {"num_blocks": 12}):
         out = {}
@@ -67,7 +68,8 @@ def test_generate_with_tree_graphs_equals_the_unreplayed_body(model_dir, tempera
             out[graphs] = (e.generate(reqs), prop)
         (rg, pg), (rb, pb) = out[True], out[False]
         assert pg.tree_graphs().num_replays > 0 and pb.tree_graphs().num_replays == 0
-        assert pg.num_eager_steps == pb.num_eager_steps == 0
+        assert pg.num_eager_steps == pb.num_eager_steps  # the same steps on each path
+        assert pg.num_eager_steps == 0 or kw  # re-admissions after preemption may go eager
         assert tokens(rg) == tokens(rb), kw
         assert [r.logprobs for r in rg] == [r.logprobs for r in rb]
         if kw:

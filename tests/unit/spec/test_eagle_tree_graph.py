@@ -155,6 +155,7 @@ def test_generate_greedy_static_trees_equal_plain(spec_models, family):
         assert tokens(spec) == tokens(plain), kw
         drafter = engine.spec_decoder.drafter
         assert drafter._tree_graphs.num_steps > 0
+        assert drafter.num_eager_steps == 0 or kw
         if kw:
             assert sum(r.num_preemptions for r in spec) > 0
 
