@@ -177,3 +177,26 @@ def test_generate_sampled_static_trees_equal_eager_trees(spec_models):
     assert tokens(static) == tokens(eager)
     assert engine.spec_decoder.drafter._tree_graphs.num_steps > 0
     assert engine.spec_decoder.drafter.num_eager_steps == 0
+
+
+def test_schedule_of_trees_and_chains_equals_plain(spec_models):
+    """--spec-depth 1:3x2,8:2: top-2 trees while one sequence runs, chains above, both on
+    their static paths; responses of different lengths shrink the batch to one, so one
+    generate call switches between them (and drops the chains' draft-aheads); greedy
+    tokens equal plain decoding's."""
+    from megatron_tlt.rollout import Request, SamplingParams
+    from megatron_tlt.spec.decode import SpecDecoder, depth_policy
+    from spec_testutil import prompts
+
+    reqs = [Request(prompt_id=i, sample_index=0, prompt_token_ids=p,
+                    sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4 + 6 * i))
+            for i, p in enumerate(prompts(VOCAB["qwen2"], [5, 11, 3, 8], seed=3))]
+    plain = make_engine(spec_models["qwen2"]).generate(reqs)
+    engine = make_engine(spec_models["qwen2"])
+    prop = EagleProposer(random_eagle(engine, seed=2), min_kv_capacity=128)
+    prop.static_trees = prop.static_chains = True
+    engine.spec_decoder = SpecDecoder(prop, policy=depth_policy("1:3x2,8:2"))
+    spec = engine.generate(reqs)
+    assert tokens(spec) == tokens(plain)
+    assert prop._tree_graphs.num_steps > 0 and prop._chain_graphs.num_steps > 0
+    assert prop.num_eager_steps == 0
