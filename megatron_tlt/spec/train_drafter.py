@@ -383,6 +383,31 @@ def collect_samples(engine, prompts: list[tuple[object, list[int]]], *, n: int =
     return out
 
 
+def target_samples(target_dir: str, arch, weights, prompts: list[tuple[object, list[int]]], *,
+                   n: int = 1, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
+                   response_only: bool = False, max_num_seqs: int = 64,
+                   progress: bool = True) -> list[TrainSample]:
+    """collect_samples on a rollout engine built for these prompts (the job's fast path on
+    the weights' device, the checkpoint's stop ids); the engine is freed afterwards."""
+    from megatron_tlt.rollout.cli import _eos_ids
+    from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
+    device = weights.device
+    longest = max(len(ids) for _, ids in prompts) + max_new_tokens
+    max_len = min(arch.max_position_embeddings, longest)
+    bs = 16
+    engine = RolloutEngine(arch, weights, max_num_seqs=max_num_seqs, block_size=bs,
+                           num_blocks=max(1, max_num_seqs * -(-longest // bs)),
+                           dtype=weights.dtype, device=device, max_model_len=max_len,
+                           eos_token_ids=_eos_ids(target_dir, None), seed=seed,
+                           **fast_path_options(device))
+    try:
+        return collect_samples(engine, prompts, n=n, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, response_only=response_only,
+                               progress=progress)
+    finally:
+        del engine  # its KV pool and graphs: the drafter's training needs only the head
+
+
 def float32_head(weights):
     """The target's embedding and LM head in float32 (the same tensors when they already
     are; one copy when tied), for a drafter trained in float32 over a lower-precision
@@ -493,8 +518,6 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         args = build_parser().parse_args(args)
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.models.arch import ModelArch
-    from megatron_tlt.rollout.cli import _eos_ids
-    from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts", "unroll"):
@@ -520,18 +543,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     progress = not args.no_progress
     samples = state.load_samples() if resuming else None
     if samples is None:
-        longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
-        max_len = min(arch.max_position_embeddings, longest)
-        bs = 16
-        engine = RolloutEngine(arch, weights, max_num_seqs=args.max_num_seqs, block_size=bs,
-                               num_blocks=max(1, args.max_num_seqs * -(-longest // bs)),
-                               dtype=dtype, device=device, max_model_len=max_len,
-                               eos_token_ids=_eos_ids(args.target, None), seed=args.seed,
-                               **fast_path_options(device))
-        samples = collect_samples(engine, prompts, n=args.n, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, seed=args.seed,
-                                  response_only=args.response_only, progress=progress)
-        del engine  # its KV pool and graphs: the drafter's training needs only the head
+        samples = target_samples(args.target, arch, weights, prompts, n=args.n,
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 seed=args.seed, response_only=args.response_only,
+                                 max_num_seqs=args.max_num_seqs, progress=progress)
         state.save_samples(samples)
     else:
         print(f"resuming the unfinished run in {args.out}: {len(samples)} target responses "
