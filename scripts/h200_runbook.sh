@@ -20,6 +20,8 @@
 #             path against its torch ops, argmax chains against sampled ones; trees:
 #             eagle@1:6x2/4:4/32:4 drafts top-2 trees of depth 6 at batch 1), SPEC_TAG
 #             (default _s19), the defaults otherwise; JSONs and logs into RESULTS_DIR
+#   acceptance  tools/drafter_acceptance.py on each trained drafter of DRAFTERS: first-level
+#             acceptance by proposal rule (sampled chain, i.i.d. siblings, one-hot top-k)
 #   rollout   bench rollout --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl
 #             (random weights, no target needed) and the PDL GPU test
 #   kernels   the GPU tests of the newest kernels (KERNEL_TESTS, default the fused sampler's,
@@ -72,6 +74,16 @@ case "$STAGE" in
       fi
       echo "[runbook] $STAGE $d: rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
+  acceptance)
+    # each trained drafter's first-level acceptance by proposal rule at T=0.9 on 64 fresh
+    # responses of the target (tools/drafter_acceptance.py; a minute or less per drafter)
+    [ -f "$WORK/sft/hf/config.json" ] || { echo "[runbook] no target in $WORK (run the target stage first)"; exit 0; }
+    for d in ${DRAFTERS:-t09x512u3 t09x512}; do
+      [ -f "$WORK/drafter_$d/config.json" ] && [ "$(left)" -gt 30 ] || continue
+      timeout "$(left)" $PY tools/drafter_acceptance.py --target "$WORK/sft/hf" --drafter "$WORK/drafter_$d" \
+          --tasks arith,sort --num-prompts 64 --seed 3 --json "$RESULTS/level1_$d.json" 2>&1 | tail -n 2
+    done
+    echo "[runbook] acceptance: at $(( $(date +%s) - t0 )) s" ;;
   rollout)
     timeout "$(( $(left) - 100 ))" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_pdl.json" \
         --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl 2>&1 | tail -n 30

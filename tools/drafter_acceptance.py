@@ -65,15 +65,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--max-samples", type=int, default=200)
     ap.add_argument("--k", type=int, default=4, help="siblings / top-k up to this many")
+    ap.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.temperature <= 0:
         raise SystemExit("drafter_acceptance: --temperature must be > 0 (greedy acceptance is top_1)")
-    from megatron_tlt.rollout.weights import load_hf
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf
     from megatron_tlt.spec.export import load_drafter
-    from megatron_tlt.spec.train_drafter import TrainSample, pack_samples, prompt_token_ids, target_samples
+    from megatron_tlt.spec.train_drafter import (TrainSample, float32_head, pack_samples, prompt_token_ids,
+                                                target_samples)
 
-    arch, w = load_hf(a.target, device="cpu", dtype=torch.float32)
+    dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # the target in the rollout's dtype (bf16 on a GPU), as train_drafter generates with it
+    arch, w = load_hf(a.target, device=dev, dtype=engine_dtype(ModelArch.from_hf_dir(a.target), dev))
     if a.samples:
         samples = [TrainSample(**d) for d in torch.load(a.samples, weights_only=True)][:a.max_samples]
     else:
@@ -82,19 +87,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                    tokenizer=load_tokenizer(a.target), model_dir=a.target)
         samples = target_samples(a.target, arch, w, prompts, max_new_tokens=a.max_new_tokens,
                                  temperature=a.gen_temperature, seed=a.seed, progress=False)
-    d = load_drafter(a.drafter, arch, w.embed, w.lm_head).eval()
+    # the drafter in float32 with float32 copies of the target's embedding and head, as
+    # train_drafter trains and evaluates it; p from the same float32 head
+    head = float32_head(w)
+    d = load_drafter(a.drafter, arch, head.embed, head.lm_head, dtype=torch.float32, device=dev).eval()
     rows: dict[str, list[torch.Tensor]] = {}
     with torch.no_grad():
         for pk in pack_samples(samples, 4096):
-            (_, lg, valid), = d.forward_unrolled(pk.tokens, pk.features, pk.positions, pk.segment_ids, 1)
-            m = pk.loss_mask & valid
-            feats, lg = pk.target_features[m], lg[m]
+            (_, lg, valid), = d.forward_unrolled(pk.tokens.to(dev), pk.features.to(dev, torch.float32),
+                                                 pk.positions.to(dev), pk.segment_ids.to(dev), 1)
+            m = pk.loss_mask.to(dev) & valid
+            feats, lg = pk.target_features.to(dev)[m], lg[m]
             for i in range(0, feats.shape[0], 256):  # full-vocabulary rows: bounded memory
-                p = torch.softmax(F.linear(feats[i:i + 256], w.lm_head).float() / a.temperature, -1)
+                p = torch.softmax(F.linear(feats[i:i + 256].float(), head.lm_head) / a.temperature, -1)
                 q = d.scatter_to_target(torch.softmax(lg[i:i + 256] / a.temperature, -1))
                 for key, v in level_acceptance(p, q, a.k).items():
                     rows.setdefault(key, []).append(v)
-    report = {key: float(torch.cat(v).mean()) for key, v in rows.items()}
+    report: dict = {key: float(torch.cat(v).mean()) for key, v in rows.items()}
     report["positions"] = int(sum(v.numel() for v in rows["chain"]))
     print(json.dumps({"drafter": a.drafter, "temperature": a.temperature, **report}))
     if a.json:
