@@ -158,10 +158,10 @@ def _mode(name: str) -> tuple[str, int | str | None] | None:
         return kind, None
     if ":" in depth or "x" in depth:  # a schedule (B:D pairs separated by /; commas separate
         # the modes) or a tree DxK
-        from megatron_tlt.spec.tree import parse_strategy_schedule
+        from megatron_tlt.spec.decode import depth_policy
         schedule = depth.replace("/", ",")
         try:
-            parse_strategy_schedule(schedule)
+            depth_policy(schedule)  # the parse and every strategy's own checks
         except TLTError:
             return None
         return kind, schedule

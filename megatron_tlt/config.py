@@ -415,9 +415,11 @@ class RolloutConfig(ConfigSection):
         )
         self._check_min("top_k", 0)
         self._check_min("n_samples", 1)
-        from megatron_tlt.spec.tree import parse_strategy_schedule  # parsing only: not the decoder
+        from megatron_tlt.spec.tree import Strategy, parse_strategy_schedule  # not the decoder
         try:
             schedule = parse_strategy_schedule(self.spec_depth)
+            for _, d, k in schedule:  # each entry's own range checks
+                Strategy(depth=d, topk=1 if k is None else k)
         except ConfigError as e:
             raise ConfigError(f"{self._key('spec_depth')}: {e}") from None
         if schedule[0][0] is None and schedule[0][2] is None:  # one depth (an override's "5" too)

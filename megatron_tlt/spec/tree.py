@@ -90,15 +90,16 @@ def parse_depth_schedule(text: str | int) -> list[tuple[int | None, int]]:
     return out
 
 
-def _depth_entry(what: str, part: str) -> tuple[int, int | None]:
-    """(depth, topk or None) of "D" or "DxK"; `what` names the value in errors."""
+def _depth_entry(what: str, part: str, check: bool = True) -> tuple[int, int | None]:
+    """(depth, topk or None) of "D" or "DxK"; `what` names the value in errors. check=False
+    leaves the range to Strategy (one depth: its "spec depth must be an integer >= 1")."""
     d, x, k = part.strip().lower().partition("x")
     try:
         depth, topk = int(d), (int(k) if x else None)
     except ValueError:
         raise ConfigError(f"{what}: expected an integer or BATCH:DEPTH pairs (e.g. 1:6,8:4,32:3; "
                           f"a depth DxK drafts top-K trees: 1:6x2,8:4), got {part!r}") from None
-    if depth < 1 or (topk is not None and topk < 1):
+    if check and (depth < 1 or (topk is not None and topk < 1)):
         raise ConfigError(f"{what}: batch sizes, depths and tree widths must be >= 1")
     return depth, topk
 
@@ -111,7 +112,7 @@ def parse_strategy_schedule(text: str | int) -> list[tuple[int | None, int, int 
     K overrides --spec-topk for that entry. Returns [(bound or None, depth, topk or None)]."""
     raw = str(text).strip()
     if ":" not in raw:
-        return [(None, *_depth_entry(f"spec depth {text!r}", raw))]
+        return [(None, *_depth_entry(f"spec depth {text!r}", raw, check=False))]
     out: list[tuple[int | None, int, int | None]] = []
     for part in raw.split(","):
         b, sep, d = part.partition(":")

@@ -335,8 +335,9 @@ def test_spec_depth_schedule(tmp_path):
                                                                              "rollout.spec_depth=1:6x2,8:4"])), None)
     assert [(tree.choose(b).depth, tree.choose(b).topk) for b in (1, 2)] == [(6, 2), (4, 1)]
     assert load_config(None, ["rollout.spec_depth=5x2"]).rollout.spec_depth == "5x2"
-    with pytest.raises(ConfigError, match="spec_depth"):
-        load_config(None, ["rollout.spec_depth=1:6x0"])
+    for bad in ("1:6x0", "5x0", "0"):
+        with pytest.raises(ConfigError, match="spec_depth"):
+            load_config(None, [f"rollout.spec_depth={bad}"])
     # The default (config.DEFAULT_SPEC_DEPTH, also generate's and bench spec's): 6 while one
     # sequence runs, else 4 (above the last bound too); with rollout.spec_threshold's
     # default, SD only while at most 32 sequences run.

@@ -224,3 +224,5 @@ def test_depth_schedule_policy():
     for bad in ("1:6x0", "6x", "1:x2", "2:3x2x2"):
         with pytest.raises(ConfigError):
             parse_strategy_schedule(bad)
+    with pytest.raises(ConfigError, match="spec topk must be"):  # one entry: Strategy's check
+        depth_policy("6x0")
