@@ -18,6 +18,9 @@
 #              t09x512's 277 s on one H200: a call of its own; not yet run)
 #   t09x512u3  t09x512 with chain levels 2-3 trained on the drafter's own features
 #              (train_drafter --unroll 3; ~3x the training compute; not yet run)
+#   t09x512u2  the same with level 2 only (--unroll 2, ~2x): on the tiny default (CPU,
+#              session 21) --unroll 2 and 3 accepted alike (3.26 / 3.25 at depth 6 against
+#              3.03-3.12 without; benchmarks/results/cpu_2026-12-05_drafter_recipes)
 # SWEEP_DEPTHS (default "4 6"): chain depths ("none": only train the drafters); SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets;
 # bench spec raises it to at least 32 sequences per run, --min-sequences, e.g. 32 sets at batch 1).
@@ -63,6 +66,7 @@ recipe() {
     t09x128) echo "--num-prompts 128 --n 2 --temperature 0.9 --steps 60 --seed 1 --max-new-tokens 256" ;;
     t09x1024) echo "--num-prompts 1024 --n 2 --temperature 0.9 --steps 480 --seed 1 --max-new-tokens 256" ;;
     t09x512u3) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256 --unroll 3" ;;
+    t09x512u2) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256 --unroll 2" ;;
     *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
   esac
 }
