@@ -141,8 +141,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                        f"got {args.drafters!r}")
     if any(_mode(n)[0] != "ngram" for n in names) and not args.drafter:
         raise TLTError("bench spec: --drafters eagle needs --drafter DIR")
-    from megatron_tlt.spec.tree import parse_strategy_schedule
-    parse_strategy_schedule(args.spec_depth)  # ConfigError now, not after loading the model
+    from megatron_tlt.spec.decode import depth_policy
+    depth_policy(args.spec_depth, topk=args.spec_topk,  # ConfigError now, not after loading the model
+                 num_verify_tokens=args.spec_num_verify)
     args.drafter_names = names
     return args
 

@@ -188,6 +188,8 @@ def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):
         assert "--drafters takes" in capsys.readouterr().err, bad
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--spec-depth", "3:1,2:2"]) == 2
     assert "batch bounds must increase" in capsys.readouterr().err
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--spec-depth", "4x0"]) == 2
+    assert "spec topk must be" in capsys.readouterr().err
 
 
 def test_bench_spec_modes_share_noise_streams(tmp_path):
