@@ -148,7 +148,7 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     return args
 
 
-def _mode(name: str) -> tuple[str, int | str | None] | None:
+def _mode(name: str) -> tuple[str, str | None] | None:
     """(drafter kind, depth or depth schedule override, or None) of a --drafters entry;
     None when invalid."""
     kind, _, depth = name.partition("@")
@@ -157,16 +157,14 @@ def _mode(name: str) -> tuple[str, int | str | None] | None:
         return None
     if not depth:
         return kind, None
-    if ":" in depth or "x" in depth:  # a schedule (B:D pairs separated by /; commas separate
-        # the modes) or a tree DxK
-        from megatron_tlt.spec.decode import depth_policy
-        schedule = depth.replace("/", ",")
-        try:
-            depth_policy(schedule)  # the parse and every strategy's own checks
-        except TLTError:
-            return None
-        return kind, schedule
-    return (kind, int(depth)) if depth.isdigit() and int(depth) >= 1 else None
+    # D, DxK or a schedule (B:D pairs separated by /: commas separate the modes)
+    from megatron_tlt.spec.decode import depth_policy
+    schedule = depth.replace("/", ",")
+    try:
+        depth_policy(schedule)  # the parse and every strategy's own checks
+    except TLTError:
+        return None
+    return kind, schedule
 
 
 def _prompts(args, tokenizer, n: int) -> list[tuple[str, list[int]]]:

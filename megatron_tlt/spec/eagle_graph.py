@@ -125,9 +125,16 @@ class ChainGraphs:
             return None
         if not self._ready(seqs):
             return None
+        # one_hot_chains: argmax chains (one-hot proposals for sampled targets)
+        return self._sampling_setting(seqs, greedy=p.one_hot_chains)
+
+    @staticmethod
+    def _sampling_setting(seqs, *, greedy: bool = False) -> tuple | None:
+        """("greedy",) when `greedy` or every sequence is greedy; ("sampled", T, top_k,
+        top_p) when all share one sampled setting (baked into the graph); else None."""
         params = [s.request.sampling_params for s in seqs]
-        if p.one_hot_chains or all(x.temperature <= 0 for x in params):
-            return ("greedy",)  # argmax chains (one-hot proposals for sampled targets)
+        if greedy or all(x.temperature <= 0 for x in params):
+            return ("greedy",)
         key = {(float(x.temperature), max(int(x.top_k), 0), float(x.top_p)) for x in params}
         if len(key) != 1 or next(iter(key))[0] <= 0:
             return None

@@ -107,13 +107,7 @@ class TreeGraphs(ChainGraphs):
             return None
         if not self._ready(seqs):
             return None
-        params = [s.request.sampling_params for s in seqs]
-        if all(x.temperature <= 0 for x in params):
-            return ("greedy",)
-        key = {(float(x.temperature), max(int(x.top_k), 0), float(x.top_p)) for x in params}
-        if len(key) != 1 or next(iter(key))[0] <= 0:
-            return None
-        return ("sampled",) + next(iter(key))
+        return self._sampling_setting(seqs)
 
     @torch.no_grad()
     def propose(self, seqs, strategy, caps, setting) -> list[DraftTree]:
