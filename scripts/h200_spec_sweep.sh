@@ -21,6 +21,9 @@
 #   t09x512u2  the same with level 2 only (--unroll 2, ~2x): on the tiny default (CPU,
 #              session 21) --unroll 2 and 3 accepted alike (3.26 / 3.25 at depth 6 against
 #              3.03-3.12 without; benchmarks/results/cpu_2026-12-05_drafter_recipes)
+#   t09x512u2s960, t09x512s960  the same data, 4x the optimizer steps (with and without
+#              --unroll 2): on the tiny default (CPU, session 22) twice the steps took
+#              --unroll 2 from 3.26 to 4.33 at depth 6; the 240-step recipes stop early
 # SWEEP_DEPTHS (default "4 6"): chain depths ("none": only train the drafters); SWEEP_BATCHES (default 1,4,16,32);
 # SWEEP_PROMPT_SETS (default 4): disjoint prompt batches per timed run (bench spec --prompt-sets;
 # bench spec raises it to at least 32 sequences per run, --min-sequences, e.g. 32 sets at batch 1).
@@ -67,6 +70,8 @@ recipe() {
     t09x1024) echo "--num-prompts 1024 --n 2 --temperature 0.9 --steps 480 --seed 1 --max-new-tokens 256" ;;
     t09x512u3) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256 --unroll 3" ;;
     t09x512u2) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 240 --seed 1 --max-new-tokens 256 --unroll 2" ;;
+    t09x512u2s960) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 960 --seed 1 --max-new-tokens 256 --unroll 2" ;;
+    t09x512s960) echo "--num-prompts 512 --n 2 --temperature 0.9 --steps 960 --seed 1 --max-new-tokens 256" ;;
     *) echo "unknown drafter recipe $1" >&2; exit 2 ;;
   esac
 }
@@ -79,6 +84,8 @@ for d in ${SWEEP_DRAFTERS:-greedy128 t09x512}; do
         --draft-vocab 128 --batch-tokens 4096 $(recipe "$d") --out "$dir" --no-progress \
         2>&1 | tail -n 4 | tee "$OUT/drafter_$d.log"
     keep "$OUT/drafter_$d.log"
+    [ -f "$dir/train_summary.json" ] && cp "$dir/train_summary.json" "$OUT/drafter_${d}_summary.json" \
+        && keep "$OUT/drafter_${d}_summary.json"
     echo "[spec_sweep] drafter $d done at $(( $(date +%s) - t0 )) s"
   fi
 done
