@@ -13,9 +13,10 @@
 #             ~490-570 s): the trained target for every SD measurement; it checkpoints at
 #             step 100, so when the call's limit cuts it, run the stage again at once (the
 #             next call resumes there: ~100 s)
-#   drafters  DRAFTERS (default "t09x512u2 t09x512": --unroll 2 first, session 21's CPU
-#             pick over --unroll 3 at two thirds of its training) trained on the target; a cut run
-#             resumes at the next call (train_drafter keeps its state)
+#   drafters  DRAFTERS (default "t09x512u2s960 t09x512": --unroll 2 at 4x the steps first,
+#             session 22's CPU finding that the 240-step drafters stop far too early; then
+#             sessions 16-20's drafter to compare) trained on the target; a cut run resumes at
+#             the next call (train_drafter keeps its state)
 #   spec      bench spec on the target with each drafter: SPEC_BATCHES (default 1,4,16,32),
 #             SPEC_MODES (default eagle,eagle-torchlayer,eagle-onehot: the drafter's kernel
 #             path against its torch ops, argmax chains against sampled ones; trees:
@@ -64,7 +65,7 @@ case "$STAGE" in
     echo "[runbook] target: rc=$? at $(( $(date +%s) - t0 )) s" ;;
   drafters|spec)
     [ -f "$WORK/sft/hf/config.json" ] || { echo "[runbook] no target in $WORK (run the target stage first)"; exit 0; }
-    for d in ${DRAFTERS:-t09x512u2 t09x512}; do
+    for d in ${DRAFTERS:-t09x512u2s960 t09x512}; do
       [ "$(left)" -gt 30 ] || break
       if [ "$STAGE" = drafters ]; then
         SWEEP_DRAFTERS=$d SWEEP_DEPTHS=none timeout "$(left)" bash scripts/h200_spec_sweep.sh "$WORK" "$RESULTS"
@@ -79,7 +80,7 @@ case "$STAGE" in
     # each trained drafter's first-level acceptance by proposal rule at T=0.9 on 64 fresh
     # responses of the target (tools/drafter_acceptance.py; a minute or less per drafter)
     [ -f "$WORK/sft/hf/config.json" ] || { echo "[runbook] no target in $WORK (run the target stage first)"; exit 0; }
-    for d in ${DRAFTERS:-t09x512u2 t09x512}; do
+    for d in ${DRAFTERS:-t09x512u2s960 t09x512}; do
       [ -f "$WORK/drafter_$d/config.json" ] && [ "$(left)" -gt 30 ] || continue
       timeout "$(left)" $PY tools/drafter_acceptance.py --target "$WORK/sft/hf" --drafter "$WORK/drafter_$d" \
           --tasks arith,sort --num-prompts 64 --seed 3 --json "$RESULTS/level1_$d.json" 2>&1 | tail -n 2
