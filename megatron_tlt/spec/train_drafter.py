@@ -543,8 +543,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     resuming = state.open(resume=not args.no_resume)
     progress = not args.no_progress
     samples = state.load_samples() if resuming else None
-    t_gen = time.perf_counter()
     if samples is None:
+        t_gen = time.perf_counter()
         samples = target_samples(args.target, arch, weights, prompts, n=args.n,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  seed=args.seed, response_only=args.response_only,
