@@ -105,13 +105,26 @@ def _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, 
 
 
 @triton.jit
+def _prefetch_slab(w_ptr, rn, N, stride_wn, k_lo, k_hi, LINE: tl.constexpr):
+    """Ask L2 for the program's weight slab, rows rn x columns [k_lo, k_hi): one
+    `prefetch.global.L2` per LINE elements (128 bytes), addresses clamped into the weight
+    (a line asked twice costs nothing). A hint: nothing is read into registers, and L2 is
+    the device's point of coherence, so it cannot make a later load see older data."""
+    rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    for k0 in range(k_lo, k_hi, 16 * LINE):
+        rk = tl.minimum(k0 + tl.arange(0, 16) * LINE, k_hi - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [rows + rk[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
                    k_split, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
-                   USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)  # first: rollout/pdl.py
+                   USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                   LINE: tl.constexpr = 64):
     # Row tiles vary fastest: the programs that share a weight slab run side by side, so
     # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
     # and from L2 after (with one row tile the launch order is the (n, split) order).
@@ -119,11 +132,14 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    if PREFETCH:  # only with USE_PDL, and only here: before the wait (rollout/pdl.py)
+        _prefetch_slab(w_ptr, rn, N, stride_wn, k_lo, k_hi, LINE)
+    pdl_enter(USE_PDL)  # the first load or store: rollout/pdl.py
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = rn < N
     m_ok = rm < M
-    k_lo = split * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 2:  # the whole row's mean square first (every program: the rows are short)
@@ -227,6 +243,8 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          res.stride(0) if residual is not None else 0, float(eps),
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
+                         PREFETCH=pdl.active() and weight.numel() * weight.element_size() <= pdl.prefetch_bytes(),
+                         LINE=max(1, 128 // weight.element_size()),
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
 

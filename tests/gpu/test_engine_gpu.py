@@ -886,24 +886,33 @@ def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_pdl_decode_equals_plain_decode(monkeypatch):
-    """DecodeModel.pdl (MEGATRON_TLT_PDL=1: the decode forward's Triton kernels launched with
+    """DecodeModel.pdl (on by default on Hopper: the decode forward's Triton kernels launched with
     programmatic dependent launch, rollout/pdl.py): the same kernels in the same order, so
     graph decode must give the same tokens and bit-identical logprobs as without it; a
     kernel running ahead of its predecessor's writes would show as a difference. bfloat16,
     ragged prompts, greedy and T=0.9 rows, batch 7 (and its bucket padding), 40 steps.
-    Control: the PDL run really launched with PDL (pdl.kwargs handed out launch_pdl), the
-    plain run never did."""
+    The PDL run's projections also prefetch their weight slabs into L2 before the wait
+    (every weight here is under MEGATRON_TLT_PDL_PREFETCH_MB's 32 MB default).
+    Control: the PDL run really launched with PDL (pdl.kwargs handed out launch_pdl) and
+    asked for the prefetch, the plain run did neither."""
     from megatron_tlt.rollout import pdl
     dtype = torch.bfloat16
     arch, w = small_model(dtype, seed=5)
     launched = {False: 0, True: 0}
-    real = pdl.kwargs
+    prefetched = {False: 0, True: 0}
+    real, real_bytes = pdl.kwargs, pdl.prefetch_bytes
 
     def counting():
         kw = real()
         launched[flag] += bool(kw.get("launch_pdl"))
         return kw
+
+    def counting_bytes():
+        prefetched[flag] += 1
+        return real_bytes()
     monkeypatch.setattr(pdl, "kwargs", counting)
+    monkeypatch.setattr(pdl, "prefetch_bytes", counting_bytes)
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
     g = torch.Generator().manual_seed(6)
     reqs = [Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
                     sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,
@@ -917,4 +926,5 @@ def test_pdl_decode_equals_plain_decode(monkeypatch):
         assert eng.decode_runner.num_steps >= 39
         outs[flag] = [(r.token_ids, r.logprobs) for r in res]
     assert launched[False] == 0 and launched[True] > 0, launched
+    assert prefetched[False] == 0 and prefetched[True] > 0, prefetched
     assert outs[True] == outs[False]

@@ -1,5 +1,6 @@
 """rollout/pdl.py: the launch-keyword switch the decode forward's Triton kernels read."""
 
+import pytest
 import torch
 
 from megatron_tlt.rollout import pdl
@@ -24,11 +25,25 @@ def test_launch_keywords_follow_the_innermost_context(monkeypatch):
     assert pdl.kwargs() == {"USE_PDL": False}
 
 
-def test_requested_by_the_environment_and_never_on_a_cpu(monkeypatch):
+def test_on_unless_the_environment_says_0_and_never_on_a_cpu(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert not pdl.requested()
+    assert pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "0")
     assert not pdl.requested()
     assert not pdl.supported("cpu") and not pdl.supported(torch.device("cpu"))
+
+
+def test_prefetch_limit_from_the_environment(monkeypatch):
+    """MEGATRON_TLT_PDL_PREFETCH_MB: 32 MB unless set, 0 turns the prefetch off, fractions
+    allowed, anything else a clear error naming the variable."""
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
+    assert pdl.prefetch_bytes() == 32 * 2 ** 20
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
+    assert pdl.prefetch_bytes() == 0
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "0.5")
+    assert pdl.prefetch_bytes() == 2 ** 19
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "lots")
+    with pytest.raises(ValueError, match=pdl.PREFETCH_ENV):
+        pdl.prefetch_bytes()
