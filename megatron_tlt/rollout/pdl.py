@@ -21,9 +21,9 @@ Weight prefetch: what a projection kernel can do while it waits is ask L2 for it
 weight slab (`prefetch.global.L2`, triton_linear._prefetch_slab), so the HBM reads of the
 next projection start under the tail of the kernel before it. Weights are never written
 during a forward, and a prefetch reads nothing into registers (L2 is the device's point
-of coherence), so it cannot change a result; it is limited to projections of at most
-MEGATRON_TLT_PDL_PREFETCH_MB (default 32; 0 turns it off) so the slabs it asks for early
-fit in L2 beside the running kernel's.
+of coherence), so it cannot change a result. Opt-in until timed on a GPU:
+MEGATRON_TLT_PDL_PREFETCH_MB=32 prefetches for projections of at most 32 MB of weights
+(so the slabs asked for early fit in L2 beside the running kernel's); 0, the default, off.
 
 On by default on devices of compute capability 9.0 or later (MEGATRON_TLT_PDL=0 turns it
 off): on the H200 (session 23, random weights) it took the decode step from 1.541 to
@@ -51,8 +51,8 @@ def requested() -> bool:
 
 def prefetch_bytes() -> int:
     """The largest projection (weight bytes) whose kernel prefetches its slab into L2 before
-    its PDL wait: MEGATRON_TLT_PDL_PREFETCH_MB (default 32, 0 off)."""
-    mb = os.environ.get(PREFETCH_ENV, "32")
+    its PDL wait: MEGATRON_TLT_PDL_PREFETCH_MB (default 0: off)."""
+    mb = os.environ.get(PREFETCH_ENV, "0")
     try:
         value = float(mb)
     except ValueError:

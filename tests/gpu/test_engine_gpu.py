@@ -892,7 +892,7 @@ def test_pdl_decode_equals_plain_decode(monkeypatch):
     kernel running ahead of its predecessor's writes would show as a difference. bfloat16,
     ragged prompts, greedy and T=0.9 rows, batch 7 (and its bucket padding), 40 steps.
     The PDL run's projections also prefetch their weight slabs into L2 before the wait
-    (every weight here is under MEGATRON_TLT_PDL_PREFETCH_MB's 32 MB default).
+    (MEGATRON_TLT_PDL_PREFETCH_MB=32: every weight here is smaller).
     Control: the PDL run really launched with PDL (pdl.kwargs handed out launch_pdl) and
     asked for the prefetch, the plain run did neither."""
     from megatron_tlt.rollout import pdl
@@ -912,7 +912,7 @@ def test_pdl_decode_equals_plain_decode(monkeypatch):
         return real_bytes()
     monkeypatch.setattr(pdl, "kwargs", counting)
     monkeypatch.setattr(pdl, "prefetch_bytes", counting_bytes)
-    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "32")
     g = torch.Generator().manual_seed(6)
     reqs = [Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
                     sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,

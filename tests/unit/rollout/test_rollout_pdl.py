@@ -36,12 +36,12 @@ def test_on_unless_the_environment_says_0_and_never_on_a_cpu(monkeypatch):
 
 
 def test_prefetch_limit_from_the_environment(monkeypatch):
-    """MEGATRON_TLT_PDL_PREFETCH_MB: 32 MB unless set, 0 turns the prefetch off, fractions
+    """MEGATRON_TLT_PDL_PREFETCH_MB: off (0) unless set, megabytes otherwise, fractions
     allowed, anything else a clear error naming the variable."""
     monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
-    assert pdl.prefetch_bytes() == 32 * 2 ** 20
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
     assert pdl.prefetch_bytes() == 0
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "32")
+    assert pdl.prefetch_bytes() == 32 * 2 ** 20
     monkeypatch.setenv(pdl.PREFETCH_ENV, "0.5")
     assert pdl.prefetch_bytes() == 2 ** 19
     monkeypatch.setenv(pdl.PREFETCH_ENV, "lots")
