@@ -339,3 +339,24 @@ def test_resume_falls_back_to_the_previous_checkpoint(data, tmp_path):
     st.finish()
     assert not os.path.exists(st.dir)
     assert not ResumeState(str(tmp_path), {"x": 1}).load(fresh)
+
+
+def test_epochs_set_the_steps_from_the_packs(spec_models, tmp_path):
+    """Without --steps the run takes --epochs passes over its packs (20 by default, rounded
+    up, at least one step); --steps and --epochs together, or a non-positive --epochs, are
+    clear errors."""
+    from megatron_tlt.spec.train_drafter import DEFAULT_EPOCHS, total_steps
+    assert total_steps(51, None) == math.ceil(DEFAULT_EPOCHS * 51) and DEFAULT_EPOCHS == 20
+    assert total_steps(3, 2.5) == 8 and total_steps(1, 0.01) == 1
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6, 7], seed=7)])
+    out = str(tmp_path / "d")
+    base = ["--target", d, "--data", data, "--out", out, "--max-new-tokens", "6",
+            "--batch-tokens", "12", "--no-progress"]
+    assert main(base + ["--epochs", "1.5"]) == 0
+    summary = json.loads(open(os.path.join(out, "train_summary.json")).read())
+    assert summary["packs"] > 1 and summary["steps"] == math.ceil(1.5 * summary["packs"])
+    with pytest.raises(TLTError, match="--steps or --epochs, not both"):
+        main(base + ["--epochs", "2", "--steps", "3", "--no-resume"])
+    with pytest.raises(TLTError, match="--epochs must be > 0"):
+        main(base + ["--epochs", "0", "--no-resume"])
