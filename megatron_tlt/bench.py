@@ -96,8 +96,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with every projection on cuBLAS (graphs recaptured)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="also time decode with programmatic dependent launch of the Triton kernels "
-                        "switched the other way (on by default on Hopper and later, "
-                        "MEGATRON_TLT_PDL=0 off; graphs recaptured)")
+                        "switched the other way (MEGATRON_TLT_PDL=1 turns it on; Hopper or later; "
+                        "graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

@@ -304,7 +304,7 @@ class DecodeModel:
         self.planner = planner if planner is not None else LinearPlanner()
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
-        on a Hopper GPU unless MEGATRON_TLT_PDL=0; a runner's graphs take the setting they were
+        MEGATRON_TLT_PDL=1 on a Hopper GPU; a runner's graphs take the setting they were
         captured with (release() and recapture after changing it)."""
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,12 @@ of coherence), so it cannot change a result. Opt-in until timed on a GPU:
 MEGATRON_TLT_PDL_PREFETCH_MB=32 prefetches for projections of at most 32 MB of weights
 (so the slabs asked for early fit in L2 beside the running kernel's); 0, the default, off.
 
-On by default on devices of compute capability 9.0 or later (MEGATRON_TLT_PDL=0 turns it
-off): on the H200 (session 23, random weights) it took the decode step from 1.541 to
-1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the 7B shape, with
-the tokens unchanged (`tests/gpu/test_engine_gpu.py::test_pdl_decode_equals_plain_decode`).
-`DecodeModel.pdl` holds the choice per model. Kernel wrappers read the flag of the
+Opt-in (MEGATRON_TLT_PDL=1, devices of compute capability 9.0 or later) until the whole
+GPU suite has run with it on: on the H200 (session 23, random weights) it took the decode
+step from 1.541 to 1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the
+7B shape, with the tokens unchanged (`tests/gpu/test_engine_gpu.py::
+test_pdl_decode_equals_plain_decode`), but the speculative paths (verify forward, drafter
+kernels) have not run on a GPU with it. `DecodeModel.pdl` holds the choice per model. Kernel wrappers read the flag of the
 innermost `launches` context: `kwargs()` gives their launch keywords.
 """
 
@@ -45,8 +46,8 @@ _active = False
 
 
 def requested() -> bool:
-    """Unless MEGATRON_TLT_PDL=0."""
-    return os.environ.get(PDL_ENV, "1") != "0"
+    """MEGATRON_TLT_PDL=1."""
+    return os.environ.get(PDL_ENV, "0") == "1"
 
 
 def prefetch_bytes() -> int:

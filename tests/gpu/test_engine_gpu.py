@@ -886,7 +886,7 @@ def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_pdl_decode_equals_plain_decode(monkeypatch):
-    """DecodeModel.pdl (on by default on Hopper: the decode forward's Triton kernels launched with
+    """DecodeModel.pdl (MEGATRON_TLT_PDL=1: the decode forward's Triton kernels launched with
     programmatic dependent launch, rollout/pdl.py): the same kernels in the same order, so
     graph decode must give the same tokens and bit-identical logprobs as without it; a
     kernel running ahead of its predecessor's writes would show as a difference. bfloat16,

@@ -25,9 +25,9 @@ def test_launch_keywords_follow_the_innermost_context(monkeypatch):
     assert pdl.kwargs() == {"USE_PDL": False}
 
 
-def test_on_unless_the_environment_says_0_and_never_on_a_cpu(monkeypatch):
+def test_requested_by_the_environment_and_never_on_a_cpu(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.requested()
+    assert not pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "0")
