@@ -33,6 +33,12 @@
 #             kernel of sessions 18-19 on and off (random weights, no target needed;
 #             pg_kernels_s19_{1,0}.json, each side its own plan file)
 #             KERNEL_PARTS=tests (or profile) runs one half
+#   pdl       programmatic dependent launch (opt-in, MEGATRON_TLT_PDL=1) through the GPU tests
+#             of the engine and the speculative paths, then bench rollout with it and with
+#             the L2 weight prefetch (MEGATRON_TLT_PDL_PREFETCH_MB=32), each --compare-pdl
+#             (random weights, no target needed): what making it the default waits for
+#             (session 23 timed only decode with it). The spec stage under
+#             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
 set -uo pipefail
@@ -128,12 +134,25 @@ case "$STAGE" in
           --batch-sizes 1,32 --json "$RESULTS/pg_kernels_s19_$k.json" 2>&1 | grep -v -i warn | tail -n 12
       echo "[runbook] kernels profile (sessions 18-19 kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
+  pdl)
+    for pf in 0 32; do
+      [ "$(left)" -gt 60 ] || break
+      MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=$pf timeout 100 $PY -m megatron_tlt bench rollout \
+          --json "$RESULTS/bench_rollout_pdl1_prefetch$pf.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
+          --no-hf --compare-pdl 2>&1 | grep -E "^ *(1.5b|7b) |PDL|rror" | tail -n 14
+      echo "[runbook] pdl bench (prefetch ${pf} MB): rc=$? at $(( $(date +%s) - t0 )) s"
+    done
+    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(left)" $PY -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_spec_gpu.py tests/gpu/test_eagle_graph_gpu.py \
+        tests/gpu/test_eagle_tree_graph_gpu.py > "$RESULTS/gpu_tests_pdl1.log" 2>&1
+    echo "[runbook] pdl tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_pdl1.log" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec rollout kernels gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl gputests)" ;;
 esac
 exit 0
