@@ -10,12 +10,12 @@ of the step; PDL is the hardware's way to shrink it, inside CUDA graphs too.
 
 Safety: every kernel that takes `USE_PDL` waits before its first load or store (only
 index arithmetic, and the linear kernel's L2 prefetch below, come earlier), and then lets
-its own dependents launch. So nothing a kernel does
-overlaps its predecessor's work, and because every PDL kernel waits for its predecessor
-to complete, completion is transitive along the stream (a kernel never runs ahead of one
-two launches back). Kernels without the flag (cuBLAS, torch ops) are ordinary launches:
-they start after the previous kernel completes, and a PDL kernel after them waits for
-them to complete (no trigger: the implicit one at their end).
+its own dependents launch. So nothing a kernel does overlaps its predecessor's work, and
+because every PDL kernel waits for its predecessor to complete, completion is transitive
+along the stream (a kernel never runs ahead of one two launches back). Kernels without
+the flag (cuBLAS, torch ops) are ordinary launches: they start after the previous kernel
+completes, and a PDL kernel after them waits for them to complete (no trigger: the
+implicit one at their end).
 
 Weight prefetch: what a projection kernel can do while it waits is ask L2 for its own
 weight slab (`prefetch.global.L2`, triton_linear._prefetch_slab), so the HBM reads of the
@@ -30,8 +30,9 @@ GPU suite has run with it on: on the H200 (session 23, random weights) it took t
 step from 1.541 to 1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the
 7B shape, with the tokens unchanged (`tests/gpu/test_engine_gpu.py::
 test_pdl_decode_equals_plain_decode`), but the speculative paths (verify forward, drafter
-kernels) have not run on a GPU with it. `DecodeModel.pdl` holds the choice per model. Kernel wrappers read the flag of the
-innermost `launches` context: `kwargs()` gives their launch keywords.
+kernels) have not run on a GPU with it. `DecodeModel.pdl` holds the choice per model.
+Kernel wrappers read the flag of the innermost `launches` context: `kwargs()` gives their
+launch keywords.
 """
 
 from __future__ import annotations
