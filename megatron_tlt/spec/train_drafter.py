@@ -160,17 +160,49 @@ def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
     return loss, metrics
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(step: int, lr: float, schedule: str = "constant", total_steps: int | None = None,
+          warmup_steps: int = 0, min_ratio: float = 0.1) -> float:
+    """The learning rate of optimizer step `step` (0-based): a linear warm-up over
+    `warmup_steps`, then `lr` (constant) or a cosine from `lr` down to `min_ratio * lr` at
+    `total_steps` (and there after). A function of the step alone, so a resumed run
+    follows the uninterrupted run's rates."""
+    if schedule not in LR_SCHEDULES:
+        raise TLTError(f"lr schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    if not total_steps:
+        raise TLTError("the cosine lr schedule needs the run's total steps")
+    span = max(1, total_steps - warmup_steps)
+    t = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
 class DrafterTrainer:
-    """AdamW over the drafter's own parameters (never the target's)."""
+    """AdamW over the drafter's own parameters (never the target's); the learning rate per
+    step from `lr_at` (constant unless `lr_schedule` says otherwise: the online trainer
+    runs without an end, the offline one may decay)."""
 
     def __init__(self, drafter: EagleDrafter, *, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), clip_grad: float = 1.0,
                  ce_weight: float = 0.1, feature_noise: float = 0.0, seed: int = 0,
-                 unroll: int = 1):
+                 unroll: int = 1, lr_schedule: str = "constant", total_steps: int | None = None,
+                 warmup_steps: int = 0):
         if unroll < 1:
             raise TLTError(f"unroll must be >= 1, got {unroll}")
+        if warmup_steps < 0:
+            raise TLTError(f"warmup steps must be >= 0, got {warmup_steps}")
+        lr_at(0, lr, lr_schedule, total_steps, warmup_steps)  # the settings' errors, now
         self.drafter = drafter
         self.unroll = unroll
+        self.lr = lr
+        self.lr_schedule = lr_schedule
+        self.total_steps = total_steps
+        self.warmup_steps = warmup_steps
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.clip_grad = clip_grad
         self.ce_weight = ce_weight
@@ -180,6 +212,9 @@ class DrafterTrainer:
 
     def step(self, pack: Pack) -> dict:
         self.drafter.train()
+        rate = lr_at(self.step_count, self.lr, self.lr_schedule, self.total_steps, self.warmup_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = rate
         self.opt.zero_grad(set_to_none=True)
         loss, metrics = drafter_loss(self.drafter, pack, ce_weight=self.ce_weight,
                                      feature_noise=self.feature_noise, generator=self.generator,
@@ -191,6 +226,7 @@ class DrafterTrainer:
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.clip_grad))
         self.opt.step()
         self.step_count += 1
+        metrics["lr"] = rate
         return metrics
 
     @torch.no_grad()
@@ -483,6 +519,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         "packs, top-1 0.855, 2.8x at batch 1; 240 steps reached 0.71)")
     p.add_argument("--batch-tokens", type=int, default=2048, help="pairs per pack")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="constant, or cosine from --lr down to a tenth of it at the last step")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--ce-weight", type=float, default=0.1)
     p.add_argument("--feature-noise", type=float, default=0.0)
@@ -579,7 +618,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else total_steps(len(packs), args.epochs)
     trainer = DrafterTrainer(drafter, lr=args.lr, weight_decay=args.weight_decay,
                              ce_weight=args.ce_weight, feature_noise=args.feature_noise, seed=args.seed,
-                             unroll=args.unroll)
+                             unroll=args.unroll, lr_schedule=args.lr_schedule, total_steps=steps,
+                             warmup_steps=args.warmup_steps)
     resumed_at = None
     if resuming and state.load(trainer):
         resumed_at = trainer.step_count

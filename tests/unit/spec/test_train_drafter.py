@@ -360,3 +360,39 @@ def test_epochs_set_the_steps_from_the_packs(spec_models, tmp_path):
         main(base + ["--epochs", "2", "--steps", "3", "--no-resume"])
     with pytest.raises(TLTError, match="--epochs must be > 0"):
         main(base + ["--epochs", "0", "--no-resume"])
+
+
+def test_lr_schedule_warms_up_and_decays_by_step():
+    """lr_at: linear warm-up to --lr, then constant or a cosine down to a tenth at the last
+    step (and flat after it); a function of the step alone (what a resumed run relies on);
+    bad settings are clear errors."""
+    from megatron_tlt.spec.train_drafter import lr_at
+    assert [lr_at(s, 1.0, "constant", None, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = [lr_at(s, 2.0, "cosine", 104, 4) for s in range(110)]
+    assert cos[:4] == [0.5, 1.0, 1.5, 2.0] and cos[4] == 2.0
+    assert cos[54] == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))  # half way through the decay
+    assert cos[104] == pytest.approx(0.2) and cos[109] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(cos[4:], cos[5:]))
+    with pytest.raises(TLTError, match="total steps"):
+        lr_at(0, 1.0, "cosine", None)
+    with pytest.raises(TLTError, match="must be one of"):
+        lr_at(0, 1.0, "linear", 10)
+
+
+def test_trainer_steps_at_the_scheduled_rate(data):
+    """DrafterTrainer sets each step's rate from lr_at (reported as the step's `lr`); a
+    cosine run moves the weights less late than a constant one at the same --lr (control:
+    the constant run's rate never changes)."""
+    from megatron_tlt.spec.train_drafter import lr_at
+    engine, ps, samples = data
+    packs = pack_samples(samples[:4], 64)
+    rates = {}
+    for sched in ("constant", "cosine"):
+        t = DrafterTrainer(build_drafter(engine.arch, engine.weights, samples), lr=3e-3,
+                           lr_schedule=sched, total_steps=6, warmup_steps=2)
+        rates[sched] = [t.step(packs[i % len(packs)])["lr"] for i in range(6)]
+        assert rates[sched] == [lr_at(i, 3e-3, sched, 6, 2) for i in range(6)]
+    assert rates["constant"][2:] == [3e-3] * 4
+    assert rates["cosine"][5] < rates["cosine"][3] < 3e-3
+    with pytest.raises(TLTError, match="total steps"):
+        DrafterTrainer(build_drafter(engine.arch, engine.weights, samples), lr_schedule="cosine")
