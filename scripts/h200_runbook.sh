@@ -40,6 +40,10 @@
 #             (session 23 timed only decode with it). The spec stage under
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
+# Running `target` in the background beside `kernels` in one call: wait for it with
+# `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
+# `pgrep -f h200_rl_step`, which matches the call's own command line and waits until the
+# tool's limit (session 23's first call).
 # Environment: MEGATRON_TLT_GIT_REV (the revision to record; the tree has no .git there).
 set -uo pipefail
 STAGE=${1:?usage: h200_runbook.sh STAGE RESULTS_DIR [LIMIT_S]}
