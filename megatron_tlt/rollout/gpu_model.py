@@ -317,7 +317,7 @@ class DecodeModel:
     @torch.no_grad()
     def forward(self, *args, **kwargs) -> torch.Tensor:
         """`_forward` (below) with this model's kernels launched as `self.pdl` says."""
-        with pdl.launches(self.pdl):
+        with pdl.launches(self.pdl, pdl.prefetch_bytes() if self.pdl else 0):
             return self._forward(*args, **kwargs)
 
     def _forward(self,

@@ -44,6 +44,7 @@ PDL_ENV = "MEGATRON_TLT_PDL"
 PREFETCH_ENV = "MEGATRON_TLT_PDL_PREFETCH_MB"
 
 _active = False
+_prefetch = 0  # the innermost `launches` context's prefetch limit (bytes)
 
 
 def requested() -> bool:
@@ -70,18 +71,26 @@ def supported(device) -> bool:
 
 
 @contextlib.contextmanager
-def launches(flag: bool):
-    """Kernels launched inside take PDL when `flag` (restored on exit, nesting allowed)."""
-    global _active
-    prev, _active = _active, bool(flag)
+def launches(flag: bool, prefetch: int = 0):
+    """Kernels launched inside take PDL when `flag`, and projections of at most `prefetch`
+    weight bytes prefetch their slab (read once per context, not per launch: a forward
+    passes `prefetch_bytes()`); both restored on exit, nesting allowed."""
+    global _active, _prefetch
+    prev = _active, _prefetch
+    _active, _prefetch = bool(flag), int(prefetch) if flag else 0
     try:
         yield
     finally:
-        _active = prev
+        _active, _prefetch = prev
 
 
 def active() -> bool:
     return _active
+
+
+def prefetch_limit() -> int:
+    """The innermost `launches` context's prefetch limit in bytes (0 outside PDL)."""
+    return _prefetch
 
 
 def kwargs() -> dict:

@@ -243,7 +243,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          res.stride(0) if residual is not None else 0, float(eps),
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
-                         PREFETCH=pdl.active() and weight.numel() * weight.element_size() <= pdl.prefetch_bytes(),
+                         PREFETCH=weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
                          LINE=max(1, 128 // weight.element_size()),
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
