@@ -98,6 +98,14 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with programmatic dependent launch of the Triton kernels "
                         "switched the other way (MEGATRON_TLT_PDL=1 turns it on; Hopper or later; "
                         "graphs recaptured)")
+    p.add_argument("--compare-fused-rope", action="store_true",
+                   help="also time decode with RoPE + the K/V write folded into the attention "
+                        "kernel switched the other way (MEGATRON_TLT_FUSED_ROPE=1 turns it on; "
+                        "graphs recaptured)")
+    p.add_argument("--compare-merge", action="store_true",
+                   help="also time decode with the split-K attention merge in the attention kernel "
+                        "switched the other way (MEGATRON_TLT_FUSED_COMBINE=1 turns it on; graphs "
+                        "recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -398,6 +406,31 @@ def _plan(args) -> _Plan:
     return _Plan(device, backend, graphs, dtype)
 
 
+_VARIANTS = {  # row key of an A/B timing -> its column title
+    "decode_ms_pdl": "pdl_ms", "decode_ms_nopdl": "no_pdl_ms",
+    "decode_ms_fused_rope": "fused_rope_ms", "decode_ms_separate_rope": "separate_rope_ms",
+    "decode_ms_merge_in_kernel": "merge_in_kernel_ms",
+    "decode_ms_combine_kernel": "combine_kernel_ms", "decode_ms_cublas": "cublas_ms"}
+
+
+def variant_table(rows: list[dict]) -> list[str]:
+    """The A/B timings of one run side by side (no lines when there are none): per row,
+    decode_ms and each variant's ms with decode_ms / variant ms (> 1: the variant is faster)."""
+    variants = [k for k in _VARIANTS if any(r.get(k) is not None for r in rows)]
+    if not variants:
+        return []
+    lines = [f"{'shape':>5} {'B':>4} {'decode_ms':>9} " + " ".join(f"{_VARIANTS[k]:>24}" for k in variants)]
+    for r in rows:
+        cells = []
+        for k in variants:
+            d, v = r.get("decode_ms"), r.get(k)
+            x = d / v if d is not None and v is not None and d > 0 and v > 0 else None
+            cells.append(f"{_fmt(v)} ({_fmt(x)}x)")
+        lines.append(f"{r['shape']:>5} {r['batch']:>4} {_fmt(r.get('decode_ms')):>9} "
+                     + " ".join(f"{c:>24}" for c in cells))
+    return lines
+
+
 def _retime(engine, rows: list[dict], prompts, args, key: str, tag: str, what: str, name: str,
             log) -> None:
     """Every row's decode timed again into row[key] (after a setting changed and the
@@ -501,6 +534,29 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
             runner.release()
             for row in rows:
                 row["pdl"] = flag
+    if args.compare_fused_rope and runner is not None and plan.graphs:
+        flag = runner.model.fused_rope  # decode_ms ran with this setting; time the other one
+        runner.model.fused_rope = not flag
+        runner.release()
+        key = "decode_ms_separate_rope" if flag else "decode_ms_fused_rope"
+        _retime(engine, rows, prompts, args, key, key,
+                f"RoPE {'in its own kernel' if flag else 'in the attention kernel'}", name, log)
+        runner.model.fused_rope = flag
+        runner.release()
+        for row in rows:
+            row["fused_rope"] = flag
+    if args.compare_merge and runner is not None and plan.graphs:
+        from megatron_tlt.rollout import triton_attention
+        flag = triton_attention.set_merge_in_kernel(not triton_attention.attention_merge_in_kernel())
+        runner.release()
+        key = "decode_ms_combine_kernel" if flag else "decode_ms_merge_in_kernel"
+        _retime(engine, rows, prompts, args, key, key,
+                f"the split-K merge {'in _combine_kernel' if flag else 'in the attention kernel'}",
+                name, log)
+        triton_attention.set_merge_in_kernel(flag)
+        runner.release()
+        for row in rows:
+            row["merge_in_kernel"] = flag
     if args.compare_cublas and runner is not None and plan.graphs:
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
@@ -610,7 +666,8 @@ def main(args: argparse.Namespace) -> int:
         row["hf_mode"] = min(modes, key=modes.get) if modes else None
         row["hf_ms_by_mode"] = modes
         row["of_roofline_cublas"] = ratio(row["roofline_ms"], row.get("decode_ms_cublas"))
-        row["of_roofline_pdl"] = ratio(row["roofline_ms"], row.get("decode_ms_pdl"))
+        for key in ("pdl", "fused_rope", "merge_in_kernel"):
+            row[f"of_roofline_{key}"] = ratio(row["roofline_ms"], row.get(f"decode_ms_{key}"))
         row["hf_over_decode"] = ratio(hf, row["decode_ms"])
         row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
 
@@ -623,6 +680,8 @@ def main(args: argparse.Namespace) -> int:
               f"{_fmt(r['of_roofline'], '.2f'):>7} {_fmt(r['engine_ms_per_step']):>9} "
               f"{_fmt(r['hf_ms_per_step']):>7} {_fmt(r['hf_over_decode'], '.2f'):>9} "
               f"{_fmt(r['hf_over_engine'], '.2f'):>9}")
+    for line in variant_table(rows):
+        print(line)
     report = {
         "command": _command(args),
         "git_revision": _git_revision(),
@@ -640,6 +699,8 @@ def main(args: argparse.Namespace) -> int:
                      "prompt_len": opts.prompt_len, "hf_batch_sizes": opts.hf_batch_sizes,
                      "hf": not opts.no_hf, "hf_modes": opts.hf_modes,
                      "compare_cublas": opts.compare_cublas, "compare_pdl": opts.compare_pdl,
+                     "compare_fused_rope": opts.compare_fused_rope,
+                     "compare_merge": opts.compare_merge,
                      "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
@@ -656,6 +717,12 @@ def main(args: argparse.Namespace) -> int:
             "decode_ms_cublas": "decode_ms with every projection on cuBLAS (LinearPlanner fixed)",
             "decode_ms_pdl": "decode_ms with programmatic dependent launch (--compare-pdl, when "
                              "decode_ms ran without it; decode_ms_nopdl the converse)",
+            "decode_ms_fused_rope": "decode_ms with RoPE + the K/V write in the attention kernel "
+                                    "(--compare-fused-rope, when decode_ms ran without it; "
+                                    "decode_ms_separate_rope the converse)",
+            "decode_ms_merge_in_kernel": "decode_ms with the split-K attention merge in the "
+                                         "attention kernel (--compare-merge, when decode_ms ran "
+                                         "with _combine_kernel; decode_ms_combine_kernel the converse)",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate",
         },

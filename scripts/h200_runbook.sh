@@ -39,6 +39,10 @@
 #             (random weights, no target needed): what making it the default waits for
 #             (session 23 timed only decode with it). The spec stage under
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
+#   fusions   RoPE folded into the decode attention kernel (MEGATRON_TLT_FUSED_ROPE=1) and
+#             the live-split in-kernel merge (MEGATRON_TLT_FUSED_COMBINE=1), both opt-in:
+#             their GPU tests, then bench rollout --compare-fused-rope --compare-merge with
+#             PDL on and off (random weights, no target needed; ~400 s)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -151,6 +155,24 @@ case "$STAGE" in
         tests/gpu/test_eagle_tree_graph_gpu.py > "$RESULTS/gpu_tests_pdl1.log" 2>&1
     echo "[runbook] pdl tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_pdl1.log" ;;
+  fusions)
+    # Session 24's two launches fewer per layer, both opt-in until timed here: RoPE + the
+    # K/V write inside the decode attention kernel (MEGATRON_TLT_FUSED_ROPE=1) and the
+    # in-kernel split-K merge over live splits only (MEGATRON_TLT_FUSED_COMBINE=1). Their
+    # GPU tests first (bit-exact against the separate kernels, graphs, PDL), then bench
+    # rollout timing each side by side, without and with PDL.
+    timeout "$(( $(left) - 310 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "rope or split_merge or decode_kernel or pdl or cuda_graph_decode" \
+        > "$RESULTS/gpu_tests_fusions.log" 2>&1
+    echo "[runbook] fusions tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_fusions.log"
+    for p in 1 0; do
+      [ "$(left)" -gt 60 ] || break
+      MEGATRON_TLT_PDL=$p timeout 150 $PY -m megatron_tlt bench rollout \
+          --json "$RESULTS/bench_rollout_fusions_pdl$p.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
+          --no-hf --compare-fused-rope --compare-merge 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+      echo "[runbook] fusions bench (PDL $p): rc=$? at $(( $(date +%s) - t0 )) s"
+    done ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \

@@ -28,6 +28,15 @@ them). Session 17's H200 profile: the combine launch took 2.1 us per layer at ba
 7.6 us at a batch-32 verify (Q = 5), 28 layers a step; yet in session 20 the step ran
 faster with it than with the in-kernel merge (see _MERGE). `num_splits == 1` writes the output directly.
 
+Live splits: the split count is static (a graph's), chosen for the longest context the
+engine admits, so most splits of a short context hold no keys (the 1.5B shape at batch 1
+takes 64 splits; a 212-token context fills 4 of them). A split holds keys when it is one
+of the first n_live = ceil(ctx / per_split) (`_split_range`); the others write nothing
+and the merge reads only the live ones (decode, and any mode with the in-kernel merge;
+_combine_kernel outside decode cannot map its row to a sequence's length, so there every
+split writes, as before). The merged result is the same bit for bit: an empty split's
+weight was 0 and its max -inf.
+
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
 as FlashAttention does), the output is rounded to q's dtype once. float32 inputs use
@@ -75,7 +84,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_compat()
 
 MODE_DECODE, MODE_CAUSAL, MODE_TREE = 0, 1, 2
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 MAX_BLOCK_M = 64
 _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 
@@ -83,21 +92,21 @@ _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 @triton.jit
 def _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
                   stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh,
-                  num_splits, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-    """The output rows (tok, head) from every split's partial output, max and sum, merged
-    in split order (the last split program of a row tile runs this: _paged_attention_kernel).
-    Loads bypass L1 (.cg): the other programs' partials were written since this SM last
-    looked."""
+                  n_live, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """The output rows (tok, head) from the live splits' partial outputs, maxima and sums
+    (splits 0 .. n_live - 1), merged in split order (the last live split program of a row
+    tile runs this: _finish). Loads bypass L1 (.cg): the other programs' partials were
+    written since this SM last looked."""
     ml = tok * stride_pmt + head * stride_pmh
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, n_live):
         m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"),
                                           cache_modifier=".cg"))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     po_rows = po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh + d[None, :]
-    for s in range(0, num_splits):
+    for s in range(0, n_live):
         m = tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         l = tl.load(pl_ptr + ml + s, mask=row_ok, other=0.0, cache_modifier=".cg")
         live = row_ok & (l > 0)  # an empty split (no keys) has l = 0
@@ -109,6 +118,96 @@ def _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
     out = o / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
+    """This split's share [start, end) of a context of `ctx` keys, and how many splits hold
+    keys ("live"): chunks of a multiple of BLOCK_N sized from the sequence's own length, so
+    the grid is static while lengths vary; the splits past the live ones are empty."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    n_live = tl.maximum(tl.cdiv(ctx, per_split), 1)
+    return start, end, n_live
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row_ok, d, d_ok,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+            stride_tmb, stride_tmi, scale_log2,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+            PAGE: tl.constexpr, MODE: tl.constexpr):
+    """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
+    KV head kvh: (running max m, running sum l, unnormalised output acc)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        in_page = (n % PAGE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        vis = row_ok[:, None] & n_ok[None, :]
+        if MODE == 1:
+            vis = vis & (n[None, :] <= prefix + qi[:, None])
+        if MODE == 2:
+            j = n - prefix
+            is_new = j >= 0
+            tm = tl.load(tm_ptr + b * stride_tmb + qi[:, None] * stride_tmi + j[None, :],
+                         mask=vis & is_new[None, :], other=0)
+            vis = vis & ((j[None, :] < 0) | (tm != 0))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
+            b, kvh, tile, split, n_live, num_splits,
+            stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+            BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
+            MERGE: tl.constexpr):
+    """Without split-K, the normalised output. With it, a live split (split < n_live) writes
+    its partial output, max and sum (the splits past n_live hold no keys and write nothing:
+    the merge and _combine_kernel read the first n_live only); with MERGE the last live
+    split of the row tile to finish merges them."""
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    elif split < n_live:
+        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
+                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        ml = tok * stride_pmt + head * stride_pmh + split
+        tl.store(pm_ptr + ml, m_i, mask=row_ok)
+        tl.store(pl_ptr + ml, l_i, mask=row_ok)
+        if MERGE:
+            # Count this split in; the last of the row tile's live splits to finish merges
+            # them (one launch fewer than _combine_kernel) and sets the counter back to 0
+            # for the next launch or graph replay. The barrier puts every thread's partial
+            # stores before the counting thread's release; the acquire orders the merge's
+            # loads.
+            tl.debug_barrier()
+            n_tiles = tl.num_programs(2) // num_splits
+            lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
+            if tl.atomic_add(lock, 1, sem="acq_rel") == n_live - 1:
+                tl.atomic_xchg(lock, 0, sem="relaxed")
+                _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
+                              stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+                              stride_ot, stride_oh, n_live, BLOCK_M, D_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -153,86 +252,42 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # This split's share of the context, sized from this sequence's own length.
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
+    if MODE != 0 and not MERGE:
+        n_live = num_splits  # _combine_kernel knows no sequence's length here: all write
     if MODE == 1:
         # Causal: no row of this tile sees past prefix + its last query index.
         last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, n_new - 1)
         end = tl.minimum(end, prefix + last_q + 1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        in_page = (n % PAGE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        vis = row_ok[:, None] & n_ok[None, :]
-        if MODE == 1:
-            vis = vis & (n[None, :] <= prefix + qi[:, None])
-        if MODE == 2:
-            j = n - prefix
-            is_new = j >= 0
-            tm = tl.load(tm_ptr + b * stride_tmb + qi[:, None] * stride_tmi + j[None, :],
-                         mask=vis & is_new[None, :], other=0)
-            vis = vis & ((j[None, :] < 0) | (tm != 0))
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-
-    if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
-                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        ml = tok * stride_pmt + head * stride_pmh + split
-        tl.store(pm_ptr + ml, m_i, mask=row_ok)
-        tl.store(pl_ptr + ml, l_i, mask=row_ok)
-        if MERGE:
-            # Count this split in; the last of the row tile's splits to finish merges them
-            # (one launch fewer than _combine_kernel) and sets the counter back to 0 for the
-            # next launch or graph replay. The barrier puts every thread's partial stores
-            # before the counting thread's release; the acquire orders the merge's loads.
-            tl.debug_barrier()
-            n_tiles = tl.num_programs(2) // num_splits
-            lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
-            if tl.atomic_add(lock, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(lock, 0, sem="relaxed")
-                _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
-                              stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
-                              stride_ot, stride_oh, num_splits, BLOCK_M, D_PAD)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
+                            row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
+                            BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
+    _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
+            b, kvh, tile, split, n_live, num_splits, stride_ot, stride_oh, stride_pot,
+            stride_poh, stride_pos, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
+def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, ctx_ptr,
                     stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
-                    stride_ot, stride_oh, num_splits,
+                    stride_ot, stride_oh, stride_ctx, num_splits,
                     S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr = 64, DECODE: tl.constexpr = False,
                     USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    n_live = num_splits
+    if DECODE:  # row t is sequence t: only its live splits wrote (_finish)
+        ctx = tl.load(ctx_ptr + t * stride_ctx).to(tl.int32)
+        _, _, n_live = _split_range(ctx, 0, num_splits, BLOCK_N)
     ml = t * stride_pmt + h * stride_pmh
     m_run = tl.full([S_CHUNK], float("-inf"), tl.float32)
-    for c in range(0, num_splits, S_CHUNK):
+    for c in range(0, n_live, S_CHUNK):
         s = c + tl.arange(0, S_CHUNK)
-        m_run = tl.maximum(m_run, tl.load(pm_ptr + ml + s, mask=s < num_splits,
+        m_run = tl.maximum(m_run, tl.load(pm_ptr + ml + s, mask=s < n_live,
                                           other=float("-inf")))
     m_max = tl.max(m_run, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
@@ -240,9 +295,9 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr,
     d_ok = d < HEAD_DIM
     l_acc = tl.zeros([S_CHUNK], tl.float32)
     o_acc = tl.zeros([S_CHUNK, D_PAD], tl.float32)
-    for c in range(0, num_splits, S_CHUNK):
+    for c in range(0, n_live, S_CHUNK):
         s = c + tl.arange(0, S_CHUNK)
-        s_ok = s < num_splits
+        s_ok = s < n_live
         m = tl.load(pm_ptr + ml + s, mask=s_ok, other=float("-inf"))
         l = tl.load(pl_ptr + ml + s, mask=s_ok, other=0.0)
         w = tl.exp2(m - m_max)  # 0 for empty splits (m = -inf)
@@ -268,9 +323,25 @@ the H200 (session 20, 1.5B target, t09x512 drafter, T=0.9) the in-kernel merge m
 step slower, not faster: batch-1 plain decode 1.76 / 1.84 ms/step with it against 1.67 /
 1.69 without, the batch-1 EAGLE step 3.03 / 3.03 ms against 2.59 / 2.59 (two runs each),
 and the batch-1 verify-forward graph (Q = 5, random weights) 1.767 ms against 1.697 ms
-with every session 18-19 kernel off."""
-_MAX_LOCKS = 1 << 16
+with every session 18-19 kernel off. Those timings predate the live-split merge, which
+loops over the live splits only instead of all of them (4 instead of 64 at batch 1 with a
+short context): bench rollout --compare-merge times the two again."""
+MAX_MERGE_TILES = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
+
+
+def attention_merge_in_kernel() -> bool:
+    """Whether split-K launches merge in the kernel (MEGATRON_TLT_FUSED_COMBINE=1, read at
+    import; set_merge_in_kernel) rather than in _combine_kernel."""
+    return _MERGE
+
+
+def set_merge_in_kernel(flag: bool) -> bool:
+    """Set the process's choice (A/B benchmarks: bench rollout --compare-merge); returns the
+    previous one. Captured CUDA graphs keep the choice they were captured with."""
+    global _MERGE
+    prev, _MERGE = _MERGE, bool(flag)
+    return prev
 
 
 def merge_counters(device: torch.device) -> torch.Tensor:
@@ -292,7 +363,7 @@ def merge_counters(device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("paged_attention: first split-K call on this device during CUDA graph "
                                "capture; run it eagerly first (the merge counters are allocated then)")
-        lk = _locks[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
+        lk = _locks[device] = torch.zeros(MAX_MERGE_TILES, dtype=torch.int32, device=device)
     return lk
 
 
@@ -324,6 +395,32 @@ def splits_for(k_cache: torch.Tensor, num_seqs: int, max_context: int, query_row
     return choose_num_splits(num_seqs, k_cache.shape[2], max_context, sms=num_sms(k_cache.device),
                              block_n=block_n_for(k_cache.dtype),
                              row_tiles=-(-query_rows // MAX_BLOCK_M))
+
+
+def split_buffers(out: torch.Tensor,  # [T, num_heads, head_dim]: the attention output
+                  num_splits: int, merge: bool):
+    """(partial outputs [T, H, S, D], maxima [T, H, S], sums [T, H, S], merge counters) for
+    a split-K launch; placeholders (`out`) where num_splits == 1 / without the merge."""
+    if num_splits > 1:
+        t, h, d = out.shape
+        po = torch.empty(t, h, num_splits, d, dtype=torch.float32, device=out.device)
+        pm = torch.empty(t, h, num_splits, dtype=torch.float32, device=out.device)
+        pl = torch.empty_like(pm)
+    else:
+        po = pm = pl = out  # unused
+    lk = merge_counters(out.device) if merge else out  # unused without the merge
+    return po, pm, pl, lk
+
+
+def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool) -> None:
+    """_combine_kernel: out <- the merge of split_buffers' partials (`decode`: row t is
+    sequence t, whose live splits alone wrote; else every split wrote)."""
+    t, h, s, d = po.shape
+    _combine_kernel[(t, h)](
+        po, pm, pl, out, context_lens, po.stride(0), po.stride(1), po.stride(2),
+        pm.stride(0), pm.stride(1), out.stride(0), out.stride(1), context_lens.stride(0),
+        s, S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=d, D_PAD=max(16, _next_pow2(d)), BLOCK_N=block_n,
+        DECODE=decode, num_warps=4, **pdl.kwargs())
 
 
 def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
@@ -391,14 +488,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     num_splits = max(1, int(num_splits))
     if out is None:
         out = torch.empty_like(q)
-    merge = num_splits > 1 and _MERGE and bsz * kvh * row_tiles <= _MAX_LOCKS
-    if num_splits > 1:
-        po = torch.empty(t, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        pm = torch.empty(t, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        pl = torch.empty_like(pm)
-    else:
-        po = pm = pl = out  # unused
-    lk = merge_counters(q.device) if merge else out  # unused without the merge
+    merge = num_splits > 1 and attention_merge_in_kernel() and bsz * kvh * row_tiles <= MAX_MERGE_TILES
+    po, pm, pl, lk = split_buffers(out, num_splits, merge)
     grid = (bsz, kvh, row_tiles * num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
@@ -411,14 +502,11 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         po.stride(0) if num_splits > 1 else 0, po.stride(1) if num_splits > 1 else 0,
         po.stride(2) if num_splits > 1 else 0,
         pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
-        float(scale) * _LOG2E, num_splits,
+        float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         SPLIT=num_splits > 1, MODE=mode, MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
-        _combine_kernel[(t, num_heads)](
-            po, pm, pl, out, po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1),
-            out.stride(0), out.stride(1), num_splits,
-            S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4, **pdl.kwargs())
+        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out
 
 

@@ -75,16 +75,23 @@ def tree_masks(batch: int, q: int, g: torch.Generator) -> torch.Tensor:
     return out
 
 
-def paged_case(ctx, n_new, *, heads, kv_heads, page, dtype, tree=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def scattered_blocks(ctx, page: int, g: torch.Generator, spare: int) -> tuple[torch.Tensor, int]:
+    """Block tables [B, max_blocks] int32 holding each context in randomly placed blocks of
+    a cache of `total` blocks (`spare` of them unused); returns (tables, total)."""
     nblk = [-(-c // page) for c in ctx]
-    total = sum(nblk) + 5
+    total = sum(nblk) + spare
     perm = torch.randperm(total, generator=g)
     bt = torch.zeros(len(ctx), max(nblk), dtype=torch.int32)
-    o = 0
+    at = 0
     for b, n in enumerate(nblk):
-        bt[b, :n] = perm[o:o + n].to(torch.int32)
-        o += n
+        bt[b, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    return bt, total
+
+
+def paged_case(ctx, n_new, *, heads, kv_heads, page, dtype, tree=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bt, total = scattered_blocks(ctx, page, g, 5)
     k = torch.randn(total, page, kv_heads, HEAD_DIM, generator=g).to(dtype)
     v = torch.randn(total, page, kv_heads, HEAD_DIM, generator=g).to(dtype)
     q = (2 * torch.randn(sum(n_new), heads, HEAD_DIM, generator=g)).to(dtype)
@@ -883,6 +890,25 @@ def test_generate_sampled_graphs_equal_generic_path(monkeypatch):
     assert [x.token_ids for x in again] == [x.token_ids for x in a]
 
 
+def graph_decode_both_ways(arch, w, dtype, seed, configure) -> dict:
+    """{flag: [(token ids, logprobs)] per request} of graph decode with configure(decode
+    model, flag) for flag False, then True: ragged prompts (batch 7, padded to its bucket),
+    greedy and T=0.9 rows, 40 steps each."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
+                    sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,
+                                                   max_new_tokens=40, min_new_tokens=40))
+            for i, n in enumerate([1, 9, 33, 120, 5, 64, 17])]
+    outs = {}
+    for flag in (False, True):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+        configure(eng.decode_runner.model, flag)
+        res = eng.generate(reqs)
+        assert eng.decode_runner.num_steps >= 39
+        outs[flag] = [(r.token_ids, r.logprobs) for r in res]
+    return outs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_pdl_decode_equals_plain_decode(monkeypatch):
@@ -913,18 +939,107 @@ def test_pdl_decode_equals_plain_decode(monkeypatch):
     monkeypatch.setattr(pdl, "kwargs", counting)
     monkeypatch.setattr(pdl, "prefetch_bytes", counting_bytes)
     monkeypatch.setenv(pdl.PREFETCH_ENV, "32")
-    g = torch.Generator().manual_seed(6)
-    reqs = [Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
-                    sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,
-                                                   max_new_tokens=40, min_new_tokens=40))
-            for i, n in enumerate([1, 9, 33, 120, 5, 64, 17])]
-    outs = {}
-    for flag in (False, True):
-        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
-        eng.decode_runner.model.pdl = flag
-        res = eng.generate(reqs)
-        assert eng.decode_runner.num_steps >= 39
-        outs[flag] = [(r.token_ids, r.logprobs) for r in res]
+
+    def configure(model, on):
+        nonlocal flag
+        flag = model.pdl = on
+    flag = False
+    outs = graph_decode_both_ways(arch, w, dtype, 6, configure)
     assert launched[False] == 0 and launched[True] > 0, launched
     assert prefetched[False] == 0 and prefetched[True] > 0, prefetched
+    assert outs[True] == outs[False]
+
+
+def _rope_decode_case(ctx, *, heads, kvh, page, dtype, planes, bias, qk_norm, seed):
+    """One new token per sequence after a random cached prefix (scattered blocks): QKV
+    planes (float32 split-K partial sums, or one plane in the model dtype), metadata,
+    RoPE tables and the per-layer tensors decode_rope_attention takes."""
+    g = torch.Generator().manual_seed(seed)
+    bt, total = scattered_blocks(ctx, page, g, 3)
+    kc = torch.randn(total, page, kvh, HEAD_DIM, generator=g).to(dtype)
+    vc = torch.randn(total, page, kvh, HEAD_DIM, generator=g).to(dtype)
+    width = (heads + 2 * kvh) * HEAD_DIM
+    qkv = torch.randn(planes, len(ctx), width, generator=g)
+    qkv = qkv.to(dtype) if planes == 1 else qkv
+    pos = torch.tensor([c - 1 for c in ctx], dtype=torch.int32)
+    slots = torch.tensor([int(bt[b, (c - 1) // page]) * page + (c - 1) % page
+                          for b, c in enumerate(ctx)], dtype=torch.int32)
+    cos, sin = rope_table(8192, HEAD_DIM, 1e6)
+    to = lambda x: None if x is None else x.to(CUDA)  # noqa: E731
+    kw = dict(num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, eps=1e-6,
+              bias=to(torch.randn(width, generator=g).to(dtype)) if bias else None,
+              q_norm=to((1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(dtype)) if qk_norm else None,
+              k_norm=to((1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(dtype)) if qk_norm else None)
+    return (to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), to(bt),
+            to(torch.tensor(ctx, dtype=torch.int32)), kw)
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["combine-kernel", "merge-in-kernel"])
+@pytest.mark.parametrize("heads,kvh,planes,bias,qk_norm", [
+    (12, 2, 4, True, False), (28, 4, 1, True, False), (32, 8, 2, False, True)])
+def test_decode_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, qk_norm,
+                                                            merge, monkeypatch):
+    """decode_rope_attention (MEGATRON_TLT_FUSED_ROPE=1's kernel) == qkv_rope_write_kv +
+    paged_attention bit for bit (output and both caches), bf16, compiled, at 1, 8 and 64
+    splits over contexts from 1 to 4500 (so splits with and without keys, and the new
+    token's split anywhere), eagerly and as 20 CUDA-graph replays; the caches are reset
+    before each replay, so a replay reading its own new K/V before writing it would show."""
+    from megatron_tlt.rollout import triton_attention as ta
+    from megatron_tlt.rollout.gpu_model import decode_rope_attention
+    monkeypatch.setattr(ta, "_MERGE", merge)
+    dtype = torch.bfloat16
+    ctx = [1, 17, 300, 4097, 5, 129, 64, 4500]
+    qkv, pos, slots, cos, sin, kc, vc, bt, ctx_t, kw = _rope_decode_case(
+        ctx, heads=heads, kvh=kvh, page=16, dtype=dtype, planes=planes, bias=bias,
+        qk_norm=qk_norm, seed=heads)
+    for splits in (1, 8, 64):
+        k1, v1 = kc.clone(), vc.clone()
+        q = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
+        ref = paged_attention(q, k1, v1, bt, ctx_t, scale=HEAD_DIM ** -0.5, num_splits=splits)
+        k2, v2 = kc.clone(), vc.clone()
+        call = lambda: decode_rope_attention(qkv, pos, slots, cos, sin, k2, v2, bt, ctx_t,  # noqa: E731,B023
+                                             scale=HEAD_DIM ** -0.5, num_splits=splits, **kw)
+        out = call()
+        assert torch.equal(k2, k1) and torch.equal(v2, v1), splits
+        assert torch.equal(out, ref), (splits, rel_err(out, ref))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = call()
+        for _ in range(20):
+            k2.copy_(kc)
+            v2.copy_(vc)
+            gout.zero_()
+            graph.replay()
+            assert torch.equal(gout, ref) and torch.equal(k2, k1), splits
+    torch.cuda.synchronize()
+    assert not ta.merge_counters(CUDA).any()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("use_pdl", [False, True], ids=["plain", "pdl"])
+def test_fused_rope_graph_decode_equals_separate(family, use_pdl, monkeypatch):
+    """Graph decode with DecodeModel.fused_rope (MEGATRON_TLT_FUSED_ROPE=1) gives the same
+    tokens and bit-identical logprobs as without it: bfloat16, ragged prompts, greedy and
+    T=0.9 rows, batch 7 (padded to its bucket), 40 steps; with and without PDL (Hopper).
+    Control: the fused run launched the fused kernel, the other never did."""
+    from megatron_tlt.rollout import gpu_model
+    if use_pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype, seed=8, family=family, tie=family == "qwen2")
+    calls = {False: 0, True: 0}
+    real = gpu_model.decode_rope_attention
+
+    def counting(*a, **k):
+        calls[flag] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(gpu_model, "decode_rope_attention", counting)
+
+    def configure(model, on):
+        nonlocal flag
+        flag = model.fused_rope = on
+        model.pdl = use_pdl
+    flag = False
+    outs = graph_decode_both_ways(arch, w, dtype, 9, configure)
+    assert calls[False] == 0 and calls[True] > 0, calls
     assert outs[True] == outs[False]

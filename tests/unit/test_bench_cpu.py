@@ -24,13 +24,16 @@ def _run(tmp_path, *extra) -> dict:
 
 def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
-                  "--compare-pdl")
+                  "--compare-pdl", "--compare-fused-rope", "--compare-merge")
     for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
         assert key in report
     assert report["errors"] == []
     # --compare-pdl is recorded; without CUDA graphs (CPU) there is nothing to compare
     assert report["settings"]["compare_pdl"] is True
     assert all("decode_ms_pdl" not in r and r["of_roofline_pdl"] is None for r in report["results"])
+    assert report["settings"]["compare_fused_rope"] is True and report["settings"]["compare_merge"] is True
+    assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None
+               for r in report["results"])
     assert report["command"].startswith("megatron-tlt bench rollout --json ")
     assert "--shapes tiny" in report["command"]
     assert report["bandwidth"]["roofline_GBps"] >= report["bandwidth"]["copy_rw_GBps"] > 0
@@ -61,6 +64,18 @@ def test_bench_rollout_cpu_triton_backend_device_loop(tmp_path):
     assert report["errors"] == []
     (row,) = report["results"]
     assert row["batch"] == 3 and row["decode_ms"] > 0 and row["engine_ms_per_step"] != 0
+
+
+def test_variant_table_sets_the_ab_timings_side_by_side():
+    from megatron_tlt.bench import variant_table
+    assert variant_table([{"shape": "1.5b", "batch": 1, "decode_ms": 1.5}]) == []
+    rows = [{"shape": "1.5b", "batch": 1, "decode_ms": 1.5, "decode_ms_fused_rope": 1.2,
+             "decode_ms_merge_in_kernel": None},
+            {"shape": "1.5b", "batch": 8, "decode_ms": 1.6, "decode_ms_merge_in_kernel": 2.0}]
+    head, one, eight = variant_table(rows)
+    assert head.split() == ["shape", "B", "decode_ms", "fused_rope_ms", "merge_in_kernel_ms"]
+    assert one.split() == ["1.5b", "1", "1.500", "1.200", "(1.250x)", "-", "(-x)"]
+    assert eight.split() == ["1.5b", "8", "1.600", "-", "(-x)", "2.000", "(0.800x)"]
 
 
 def test_bench_bad_input(tmp_path, capsys):

@@ -23,6 +23,20 @@ def triton_interpreter() -> pytest.MarkDecorator:
                               reason="Triton interpreter tests run on CPU-only machines")
 
 
+def scattered_blocks(ctx_lens, page: int, g: torch.Generator, spare: int) -> tuple[torch.Tensor, int]:
+    """Block tables [B, max_blocks] int64 holding each context (at least one block each) in
+    randomly placed blocks of a cache of `total` blocks (`spare` unused); (tables, total)."""
+    nblk = [max(1, -(-c // page)) for c in ctx_lens]
+    total = sum(nblk) + spare
+    perm = torch.randperm(total, generator=g)
+    bt = torch.zeros(len(ctx_lens), max(nblk), dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(nblk):
+        bt[b, :n] = perm[at:at + n]
+        at += n
+    return bt, total
+
+
 def make_hf_model(family: str, path: str, *, vocab_size: int = 300, tie: bool | None = None,
                   seed: int = 0, max_pos: int = 128, num_layers: int = 2):
     """Save a tiny random model with GQA (4 heads, 2 KV heads) and randomized norms."""

@@ -13,7 +13,7 @@ up only where no GPU exists; there the GPU tests cover the compiled kernels).
 import pytest
 import torch
 
-from rollout_testutil import triton_interpreter  # noqa: E402
+from rollout_testutil import scattered_blocks, triton_interpreter  # noqa: E402
 
 pytestmark = triton_interpreter()
 
@@ -50,14 +50,7 @@ def paged_case(ctx_lens, n_new, *, heads=4, kv_heads=2, head_dim=16, page=4, tre
                seed=0):
     """Random cache with scattered blocks, queries and metadata. Returns q, k, v, meta."""
     g = torch.Generator().manual_seed(seed)
-    nblk = [-(-c // page) for c in ctx_lens]
-    total = sum(nblk) + 3
-    perm = torch.randperm(total, generator=g)
-    bt = torch.zeros(len(ctx_lens), max(nblk), dtype=torch.int64)
-    o = 0
-    for b, n in enumerate(nblk):
-        bt[b, :n] = perm[o:o + n]
-        o += n
+    bt, total = scattered_blocks(ctx_lens, page, g, 3)
     k = torch.randn(total, page, kv_heads, head_dim, generator=g)
     v = torch.randn(total, page, kv_heads, head_dim, generator=g)
     q = 2 * torch.randn(sum(n_new), heads, head_dim, generator=g)
