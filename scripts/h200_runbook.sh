@@ -172,6 +172,11 @@ case "$STAGE" in
           --json "$RESULTS/bench_rollout_fusions_pdl$p.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
           --no-hf --compare-fused-rope --compare-merge 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
       echo "[runbook] fusions bench (PDL $p): rc=$? at $(( $(date +%s) - t0 )) s"
+    done
+    for f in 0 1; do  # per-kernel time of a batch-1 step, both fusions off / on
+      [ "$(left)" -gt 45 ] || break
+      MEGATRON_TLT_FUSED_ROPE=$f MEGATRON_TLT_FUSED_COMBINE=$f timeout 40 $PY tools/profile_decode.py \
+          --shape 1.5b --batch 1 --json "$RESULTS/profile_decode_1p5b_b1_fused$f.json" 2>&1 | tail -n 12
     done ;;
   gputests)
     # shellcheck disable=SC2086

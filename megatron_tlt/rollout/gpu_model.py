@@ -303,9 +303,9 @@ def _decode_rope_attention_kernel(
         MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention's decode mode in one launch. Each program (one
     per sequence, KV head, row tile and context split) computes its query rows' RoPE from
-    the QKV planes itself; the program whose split holds the new token's position writes
+    the QKV planes itself; the programs whose split holds the new token's position write
     that token's K and V into the cache first (a barrier: the block's own loads see the
-    stores) and reads them back there like every other key, so every split's arithmetic is
+    stores) and read them back there like every other key, so every split's arithmetic is
     the separate kernels'."""
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b = tl.program_id(0)
@@ -318,7 +318,10 @@ def _decode_rope_attention_kernel(
     tok = b.to(tl.int64)
     pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
     row = qkv_ptr + tok * stride_qkv
-    if (tile == 0) & (start <= ctx - 1) & (ctx - 1 < end):  # the new token's split
+    # The new token's split writes its K/V: every row tile of that split (more than one when
+    # a KV head serves > MAX_BLOCK_M query heads), the same bytes each, so no program reads
+    # the slot before its own write of it.
+    if (start <= ctx - 1) & (ctx - 1 < end):
         slot = tl.load(slot_ptr + tok * stride_slot).to(tl.int64)
         one = tl.arange(0, 2) == 0  # row 0 of a two-row block: this program's K head
         kh = NUM_HEADS + kvh + 0 * tl.arange(0, 2)
@@ -355,7 +358,7 @@ def _decode_rope_attention_kernel(
                             stride_vb, stride_vs, stride_vh, stride_btb, 0, 0, scale_log2,
                             BLOCK_M, BLOCK_N, D_PAD, PAGE, 0)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, toks, head, row_ok, d, d_ok,
-            b, kvh, tile, split, n_live, num_splits, stride_ot, stride_oh, stride_pot,
+            b, kvh, tile, split, n_live, n_live, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
 
 

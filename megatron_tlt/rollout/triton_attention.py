@@ -34,8 +34,9 @@ takes 64 splits; a 212-token context fills 4 of them). A split holds keys when i
 of the first n_live = ceil(ctx / per_split) (`_split_range`); the others write nothing
 and the merge reads only the live ones (decode, and any mode with the in-kernel merge;
 _combine_kernel outside decode cannot map its row to a sequence's length, so there every
-split writes, as before). The merged result is the same bit for bit: an empty split's
-weight was 0 and its max -inf.
+split writes its max and sum, as before, but only live ones their partial output, which
+a merge never reads where the sum is 0). The merged result is the same bit for bit: an
+empty split's weight was 0 and its max -inf.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -176,21 +177,23 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
 
 @triton.jit
 def _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
-            b, kvh, tile, split, n_live, num_splits,
+            b, kvh, tile, split, n_live, n_merge, num_splits,
             stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
             BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
             MERGE: tl.constexpr):
-    """Without split-K, the normalised output. With it, a live split (split < n_live) writes
-    its partial output, max and sum (the splits past n_live hold no keys and write nothing:
-    the merge and _combine_kernel read the first n_live only); with MERGE the last live
-    split of the row tile to finish merges them."""
+    """Without split-K, the normalised output. With it, the splits the merge reads (split <
+    n_merge: the live ones, or every split for a _combine_kernel that cannot tell) write
+    their max and sum, and the live ones (split < n_live) their partial output too (a merge
+    never reads an empty split's: its sum is 0); with MERGE the last live split of the row
+    tile to finish merges them."""
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    elif split < n_live:
-        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
-                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    elif split < n_merge:
+        if split < n_live:
+            tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
+                     + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         ml = tok * stride_pmt + head * stride_pmh + split
         tl.store(pm_ptr + ml, m_i, mask=row_ok)
         tl.store(pl_ptr + ml, l_i, mask=row_ok)
@@ -203,11 +206,11 @@ def _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row
             tl.debug_barrier()
             n_tiles = tl.num_programs(2) // num_splits
             lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
-            if tl.atomic_add(lock, 1, sem="acq_rel") == n_live - 1:
+            if tl.atomic_add(lock, 1, sem="acq_rel") == n_merge - 1:
                 tl.atomic_xchg(lock, 0, sem="relaxed")
                 _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
                               stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
-                              stride_ot, stride_oh, n_live, BLOCK_M, D_PAD)
+                              stride_ot, stride_oh, n_merge, BLOCK_M, D_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -253,8 +256,9 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
+    n_merge = n_live
     if MODE != 0 and not MERGE:
-        n_live = num_splits  # _combine_kernel knows no sequence's length here: all write
+        n_merge = num_splits  # _combine_kernel knows no sequence's length here: all count
     if MODE == 1:
         # Causal: no row of this tile sees past prefix + its last query index.
         last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, n_new - 1)
@@ -265,7 +269,7 @@ def _paged_attention_kernel(
                             stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
                             BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
-            b, kvh, tile, split, n_live, num_splits, stride_ot, stride_oh, stride_pot,
+            b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
 
 

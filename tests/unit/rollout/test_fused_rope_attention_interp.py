@@ -56,6 +56,7 @@ CASES = [  # (name, ctx, heads, kv heads, head_dim, page, planes, bias, qk_norm)
     ("qk-norm", [2, 19, 64], 4, 2, 16, 4, 2, False, True),
     ("head-dim-24-padding-row", [9, 0, 30], 4, 4, 24, 4, 1, True, True),
     ("mha-one-seq", [45], 2, 2, 32, 8, 4, False, False),
+    ("two-row-tiles", [5, 30], 66, 1, 16, 4, 1, False, False),  # 66 query heads per KV head
 ]
 
 

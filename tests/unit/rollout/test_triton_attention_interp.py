@@ -110,6 +110,48 @@ def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch):
     assert not ta.merge_counters(torch.device("cpu")).any()
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
+def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch):
+    """Split-K partial buffers filled with NaN before each launch: splits without keys
+    write nothing in decode (or only their max and sum, outside decode with
+    _combine_kernel), and no merge reads an entry nobody wrote, so the outputs still match
+    the reference; decode with 1 and 40 splits for a 1-key context agree bit for bit.
+    Control: _combine_kernel told to read every split (decode=False) over a decode
+    launch's partials returns NaN, so the fill would show a read of an unwritten entry."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MERGE", merge)
+    real = ta.split_buffers
+    seen = []
+
+    def nan_filled(out, num_splits, merge_):
+        po, pm, pl, lk = real(out, num_splits, merge_)
+        if num_splits > 1:
+            for x in (po, pm, pl):
+                x.fill_(float("nan"))
+        seen.append((po, pm, pl))
+        return po, pm, pl, lk
+    monkeypatch.setattr(ta, "split_buffers", nan_filled)
+    for name, ctx, n_new, kw in CASES:
+        q, k, v, meta = paged_case(ctx, n_new, **kw)
+        ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+        for splits in (3, 40):
+            extra = {} if name.startswith("decode") else dict(
+                query_start=meta.query_start, max_query_len=max(n_new), tree_mask=meta.tree_mask)
+            out = paged_attention(q, k, v, meta.block_tables, meta.context_lens,
+                                  scale=q.shape[-1] ** -0.5, num_splits=splits, **extra)
+            assert not out.isnan().any() and rel_err(out, ref) < TOL, (name, splits)
+    q, k, v, meta = paged_case([1, 1], [1, 1])
+    one, forty = (paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25,
+                                  num_splits=s) for s in (1, 40))
+    assert torch.equal(one, forty)
+    if not merge:
+        po, pm, pl = seen[-1]
+        again = torch.empty_like(forty)
+        ta.combine_splits(po, pm, pl, again, meta.context_lens, block_n=ta.block_n_for(q.dtype),
+                          decode=False)
+        assert again.isnan().all()
+
+
 def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch):
     """Negative control: a counter not back at 0 merges a tile before its last split has
     written (the result misses that split's keys)."""
