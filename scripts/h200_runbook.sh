@@ -41,8 +41,10 @@
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
 #   fusions   RoPE folded into the decode attention kernel (MEGATRON_TLT_FUSED_ROPE=1) and
 #             the live-split in-kernel merge (MEGATRON_TLT_FUSED_COMBINE=1), both opt-in:
-#             their GPU tests, then bench rollout --compare-fused-rope --compare-merge with
-#             PDL on and off (random weights, no target needed; ~400 s)
+#             their GPU tests (and tests/gpu/test_spec_gpu.py with both on), then bench
+#             rollout --compare-fused-rope --compare-merge with PDL on and off, then
+#             tools/profile_decode.py at batch 1 with both off / on (random weights, no
+#             target needed; a 600 s call)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -161,11 +163,16 @@ case "$STAGE" in
     # in-kernel split-K merge over live splits only (MEGATRON_TLT_FUSED_COMBINE=1). Their
     # GPU tests first (bit-exact against the separate kernels, graphs, PDL), then bench
     # rollout timing each side by side, without and with PDL.
-    timeout "$(( $(left) - 310 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-        -k "rope or split_merge or decode_kernel or pdl or cuda_graph_decode" \
+    timeout "$(( $(left) - 380 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "rope or split_merge or decode_kernel or verify_kernel or pdl or cuda_graph_decode" \
         > "$RESULTS/gpu_tests_fusions.log" 2>&1
     echo "[runbook] fusions tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_fusions.log"
+    # The speculative paths with both fusions on (SD == plain decode, verify graphs == eager).
+    MEGATRON_TLT_FUSED_ROPE=1 MEGATRON_TLT_FUSED_COMBINE=1 timeout "$(( $(left) - 310 ))" $PY -m pytest \
+        -q -p no:cacheprovider tests/gpu/test_spec_gpu.py > "$RESULTS/gpu_tests_fusions_spec.log" 2>&1
+    echo "[runbook] fusions spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_fusions_spec.log"
     for p in 1 0; do
       [ "$(left)" -gt 60 ] || break
       MEGATRON_TLT_PDL=$p timeout 150 $PY -m megatron_tlt bench rollout \

@@ -17,10 +17,10 @@ partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul
 take planes), so split-K costs no extra kernel and no atomics. At batch 1 the planner may
 also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
 SiLU * mul into the down projection's (when it times that faster than two kernels).
-With MEGATRON_TLT_FUSED_ROPE=1 a decode step also folds the RoPE + K/V-write kernel into
-the attention kernel (`decode_rope_attention`: every program computes its own query
-rows' RoPE; the program holding the new position writes its K/V first), bit for bit the
-separate kernels' result.
+With MEGATRON_TLT_FUSED_ROPE=1 a decode step or verify forward also folds the RoPE +
+K/V-write kernel into the attention kernel (`rope_attention`: every program computes its
+own query rows' RoPE; the programs holding the new positions write their K/V first), bit
+for bit the separate kernels' result.
 
 Numerics follow the reference (and HF) rounding points so the fused kernels round where
 the unfused bf16 ops round: the residual sum is rounded to the model dtype, RMSNorm
@@ -42,10 +42,10 @@ import triton.language as tl
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
-from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, _attend,
-                                                   _finish, _split_range, attention_merge_in_kernel,
-                                                   block_n_for, combine_splits, paged_attention,
-                                                   split_buffers)
+from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
+                                                   MODE_TREE, _attend, _finish, _split_range,
+                                                   attention_merge_in_kernel, block_n_for,
+                                                   combine_splits, paged_attention, split_buffers)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
@@ -247,17 +247,19 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
                DT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr,
                HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    """_qkv_rope_kernel's math for the fused-QKV heads `hh` [R] of one token (`row`: its
-    planes' row), laid out [R, D_PAD] (column d, partner column d +- HALF) instead of as two
-    halves: the same roundings element by element, and the q/k norm's mean square summed
-    over the same [R, HALF_PAD] halves, so the result is the separate kernel's bit for bit."""
+    """_qkv_rope_kernel's math for R rows: row r is fused-QKV head hh[r] of the token whose
+    planes row starts at row[r], at position pos[r]; laid out [R, D_PAD] (column d, partner
+    column d +- HALF) instead of as two halves: the same roundings element by element, and
+    the q/k norm's mean square summed over the same [R, HALF_PAD] halves, so the result is
+    the separate kernel's bit for bit."""
     d = tl.arange(0, D_PAD)[None, :]
     lo = d < HALF
     partner = tl.where(lo, d + HALF, d - HALF)
     ok = r_ok[:, None] & (d < HEAD_DIM)
     col = hh[:, None] * HEAD_DIM
-    x = _sum_planes(row + col, stride_s, d, ok, S)
-    xp = _sum_planes(row + col, stride_s, partner, ok, S)
+    base = row[:, None] + col
+    x = _sum_planes(base, stride_s, d, ok, S)
+    xp = _sum_planes(base, stride_s, partner, ok, S)
     if HAS_BIAS:
         x += tl.load(bias_ptr + col + d, mask=ok, other=0.0).to(tl.float32)
         xp += tl.load(bias_ptr + col + partner, mask=ok, other=0.0).to(tl.float32)
@@ -266,8 +268,8 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
     if QK_NORM:
         i = tl.arange(0, HALF_PAD)[None, :]
         h_ok = r_ok[:, None] & (i < HALF)
-        x1 = _sum_planes(row + col, stride_s, i, h_ok, S)
-        x2 = _sum_planes(row + col + HALF, stride_s, i, h_ok, S)
+        x1 = _sum_planes(base, stride_s, i, h_ok, S)
+        x2 = _sum_planes(base + HALF, stride_s, i, h_ok, S)
         if HAS_BIAS:
             x1 += tl.load(bias_ptr + col + i, mask=h_ok, other=0.0).to(tl.float32)
             x2 += tl.load(bias_ptr + col + HALF + i, mask=h_ok, other=0.0).to(tl.float32)
@@ -278,35 +280,35 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
         wp = tl.load(nw_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         x = (w * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
         xp = (wp * (xp * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    c = tl.load(cos_ptr + pos * stride_cos + d % HALF, mask=d < HEAD_DIM, other=0.0)
-    sn = tl.load(sin_ptr + pos * stride_cos + d % HALF, mask=d < HEAD_DIM, other=0.0)
-    c = c.to(DT).to(tl.float32)
-    sn = sn.to(DT).to(tl.float32)
+    trig = pos[:, None] * stride_cos + d % HALF
+    c = tl.load(cos_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
+    sn = tl.load(sin_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
     a = (x * c).to(DT).to(tl.float32)
     b = (xp * sn).to(DT).to(tl.float32)
     return tl.where(lo, a - b, a + b).to(DT)  # x * cos + rotate_half(x) * sin
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_rope_attention_kernel(
+def _rope_attention_kernel(
         qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-        k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr,
+        k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr,
         stride_qkv_s, stride_qkv, stride_pos, stride_slot, stride_cos,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_btb, stride_ctx, stride_ot, stride_oh,
+        stride_btb, stride_ctx, stride_tmb, stride_tmi, stride_ot, stride_oh,
         stride_pot, stride_poh, stride_pos_s, stride_pmt, stride_pmh,
         eps, scale_log2, num_splits,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
-        HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr,
-        MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """qkv_rope_write_kv + paged_attention's decode mode in one launch. Each program (one
-    per sequence, KV head, row tile and context split) computes its query rows' RoPE from
-    the QKV planes itself; the programs whose split holds the new token's position write
-    that token's K and V into the cache first (a barrier: the block's own loads see the
-    stores) and read them back there like every other key, so every split's arithmetic is
-    the separate kernels'."""
+        HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+        WB: tl.constexpr = 16, MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
+    verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
+    computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
+    context's last positions, and the programs whose split holds some of them write those
+    tokens' K and V into the cache first (every row tile of the split the same bytes; a
+    barrier, so the block's own loads see its stores) and read them back like every other
+    key: every split's arithmetic is the separate kernels'."""
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -314,112 +316,148 @@ def _decode_rope_attention_kernel(
     tile = pid2 // num_splits
     split = pid2 % num_splits
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+    if MODE == 0:
+        q0 = b
+        n_new = 1
+    else:
+        q0 = tl.load(qs_ptr + b).to(tl.int32)
+        n_new = tl.load(qs_ptr + b + 1).to(tl.int32) - q0
+    prefix = ctx - n_new
     start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
-    tok = b.to(tl.int64)
-    pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
-    row = qkv_ptr + tok * stride_qkv
-    # The new token's split writes its K/V: every row tile of that split (more than one when
-    # a KV head serves > MAX_BLOCK_M query heads), the same bytes each, so no program reads
-    # the slot before its own write of it.
-    if (start <= ctx - 1) & (ctx - 1 < end):
-        slot = tl.load(slot_ptr + tok * stride_slot).to(tl.int64)
-        one = tl.arange(0, 2) == 0  # row 0 of a two-row block: this program's K head
-        kh = NUM_HEADS + kvh + 0 * tl.arange(0, 2)
-        k_new = _rope_rows(row, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kn_ptr, kh, one, pos,
-                           stride_cos, eps, k_ptr.dtype.element_ty, HEAD_DIM, HALF, HALF_PAD,
-                           D_PAD, S, HAS_BIAS, QK_NORM)
-        dd = tl.arange(0, D_PAD)[None, :]
-        w_ok = one[:, None] & (dd < HEAD_DIM) & (slot >= 0)
+
+    # New token j sits at position prefix + j: this split writes those in [start, end).
+    j_lo = tl.maximum(start - prefix, 0)
+    j_hi = tl.minimum(end - prefix, n_new)
+    dd = tl.arange(0, D_PAD)[None, :]
+    for j0 in range(j_lo, j_hi, WB):
+        j = j0 + tl.arange(0, WB)
+        tok_w = (q0 + j).to(tl.int64)
+        j_ok = j < j_hi
+        slot = tl.load(slot_ptr + tok_w * stride_slot, mask=j_ok, other=-1).to(tl.int64)
+        pos_w = tl.load(pos_ptr + tok_w * stride_pos, mask=j_ok, other=0).to(tl.int64)
+        row_w = qkv_ptr + tok_w * stride_qkv
+        kh = NUM_HEADS + kvh + 0 * j
+        k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kn_ptr, kh, j_ok,
+                           pos_w, stride_cos, eps, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
+                           HALF_PAD, D_PAD, S, HAS_BIAS, QK_NORM)
+        w_ok = (j_ok & (slot >= 0))[:, None] & (dd < HEAD_DIM)
         vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
-        v_new = _sum_planes(row + vcol, stride_qkv_s, dd, w_ok, S)
+        v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
         if HAS_BIAS:
             v_new += tl.load(bias_ptr + vcol + dd, mask=w_ok, other=0.0).to(tl.float32)
-        blk = slot // PAGE
-        off = slot % PAGE
-        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd
-                 + 0 * kh[:, None], k_new, mask=w_ok)
-        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd
-                 + 0 * kh[:, None], v_new.to(v_ptr.dtype.element_ty), mask=w_ok)
+        blk = (slot // PAGE)[:, None]
+        off = (slot % PAGE)[:, None]
+        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=w_ok)
+        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd,
+                 v_new.to(v_ptr.dtype.element_ty), mask=w_ok)
     tl.debug_barrier()  # the K/V stores before this block's loads of them
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G
+    qi = rows // G
+    row_ok = qi < n_new
     head = kvh * G + rows % G
+    tok = (q0 + qi).to(tl.int64)
     q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
     if split < n_live:  # a split without keys (most, for short contexts) needs no query
-        q = _rope_rows(row, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, qn_ptr, head, row_ok, pos,
-                       stride_cos, eps, k_ptr.dtype.element_ty, HEAD_DIM, HALF, HALF_PAD,
-                       D_PAD, S, HAS_BIAS, QK_NORM)  # rows past the group are 0
+        pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok, other=0).to(tl.int64)
+        q = _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr,
+                       qn_ptr, head, row_ok, pos, stride_cos, eps, k_ptr.dtype.element_ty,
+                       HEAD_DIM, HALF, HALF_PAD, D_PAD, S, HAS_BIAS, QK_NORM)  # 0 past n_new
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    toks = tok + 0 * rows.to(tl.int64)
-    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, bt_ptr, b, kvh, start, end, ctx - 1,
-                            rows * 0, row_ok, d, d_ok, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, stride_btb, 0, 0, scale_log2,
-                            BLOCK_M, BLOCK_N, D_PAD, PAGE, 0)
-    _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, toks, head, row_ok, d, d_ok,
-            b, kvh, tile, split, n_live, n_live, num_splits, stride_ot, stride_oh, stride_pot,
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
+                            row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
+                            stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
+                            BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
+    n_merge = n_live
+    if MODE != 0 and not MERGE:
+        n_merge = num_splits  # _combine_kernel knows no sequence's length here: all count
+    _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
+            b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
 
 
-def decode_rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] planes; T = B
-                          positions: torch.Tensor,  # [B] int (any stride)
-                          slot_mapping: torch.Tensor,  # [B] int (any stride); -1: do not write
-                          cos: torch.Tensor,  # [max_positions, D] float32
-                          sin: torch.Tensor,  # [max_positions, D] float32
-                          k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
-                          v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
-                          block_tables: torch.Tensor,  # [B, max_blocks] int, last dim contiguous
-                          context_lens: torch.Tensor,  # [B] int (any stride), new token included
-                          *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                          bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                          k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                          num_splits: int = 1) -> torch.Tensor:  # [B, H, D] attention output
-    """qkv_rope_write_kv followed by paged_attention (decode: one new token per sequence)
-    in one kernel launch (plus _combine_kernel's with split-K, unless the in-kernel merge
-    is on): the same K/V written, the same output bit for bit."""
+def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] planes
+                   positions: torch.Tensor,  # [T] int (any stride)
+                   slot_mapping: torch.Tensor,  # [T] int (any stride); -1: do not write
+                   cos: torch.Tensor,  # [max_positions, D] float32
+                   sin: torch.Tensor,  # [max_positions, D] float32
+                   k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+                   v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+                   block_tables: torch.Tensor,  # [B, max_blocks] int, last dim contiguous
+                   context_lens: torch.Tensor,  # [B] int (any stride), new tokens included
+                   *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                   bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                   k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                   query_start: torch.Tensor | None = None,  # [B + 1] with tree_mask; None: decode
+                   tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
+                   num_splits: int = 1) -> torch.Tensor:  # [T, H, D] attention output
+    """qkv_rope_write_kv followed by paged_attention in one kernel launch (plus
+    _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
+    with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
+    at the context's last positions). The same K/V written and the same output, bit for bit."""
     qkv = _planes(qkv)
     s_in, t = qkv.shape[0], qkv.shape[1]
     nb, page, kvh, hd = k_cache.shape
+    bsz = context_lens.shape[0]
     if head_dim % 2 or hd != head_dim or kvh != num_kv_heads or num_heads % num_kv_heads:
-        raise ValueError(f"decode_rope_attention: heads {num_heads}/{num_kv_heads} x {head_dim} "
-                         f"and cache {tuple(k_cache.shape)} disagree (head_dim must be even)")
+        raise ValueError(f"rope_attention: heads {num_heads}/{num_kv_heads} x {head_dim} and cache "
+                         f"{tuple(k_cache.shape)} disagree (head_dim must be even)")
     if tuple(v_cache.shape) != tuple(k_cache.shape) or v_cache.dtype != k_cache.dtype:
-        raise ValueError("decode_rope_attention: k_cache and v_cache must match")
-    if context_lens.shape[0] != t or block_tables.shape[0] != t:
-        raise ValueError(f"decode_rope_attention: {t} tokens for {context_lens.shape[0]} sequences")
+        raise ValueError("rope_attention: k_cache and v_cache must match")
+    if block_tables.shape[0] != bsz:
+        raise ValueError(f"rope_attention: block_tables for {block_tables.shape[0]} sequences, "
+                         f"context_lens for {bsz}")
+    if (query_start is None) != (tree_mask is None):
+        raise ValueError("rope_attention: query_start and tree_mask go together (verify), or neither (decode)")
+    if tree_mask is None:
+        mode, q_len = MODE_DECODE, 1
+        if t != bsz:
+            raise ValueError(f"rope_attention: decode takes one token per sequence, got {t} tokens "
+                             f"for {bsz} sequences")
+        tm = block_tables  # unused
+    else:
+        mode, q_len = MODE_TREE, tree_mask.shape[1]
+        if query_start.shape[0] != bsz + 1 or tuple(tree_mask.shape) != (bsz, q_len, q_len):
+            raise ValueError(f"rope_attention: query_start {tuple(query_start.shape)} / tree_mask "
+                             f"{tuple(tree_mask.shape)} do not fit {bsz} sequences")
+        tm = tree_mask.to(torch.bool).contiguous().view(torch.uint8)
     for name, x in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("block_tables", block_tables)):
         if x.stride(-1) != 1:
-            raise ValueError(f"decode_rope_attention: {name} must be contiguous in its last dimension")
+            raise ValueError(f"rope_attention: {name} must be contiguous in its last dimension")
     group = num_heads // num_kv_heads
-    block_m = min(MAX_BLOCK_M, max(16, _next_pow2(group)))
-    row_tiles = -(-group // block_m)
+    rows = q_len * group
+    block_m = min(MAX_BLOCK_M, max(16, _next_pow2(rows)))
+    row_tiles = -(-rows // block_m)
     num_splits = max(1, int(num_splits))
     out = torch.empty(t, num_heads, head_dim, dtype=k_cache.dtype, device=qkv.device)
-    merge = num_splits > 1 and attention_merge_in_kernel() and t * kvh * row_tiles <= MAX_MERGE_TILES
+    merge = num_splits > 1 and attention_merge_in_kernel() and bsz * kvh * row_tiles <= MAX_MERGE_TILES
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
     block_n = block_n_for(k_cache.dtype)
     qk_norm = q_norm is not None
-    _decode_rope_attention_kernel[(t, kvh, row_tiles * num_splits)](
+    qs = query_start if query_start is not None else context_lens
+    _rope_attention_kernel[(bsz, kvh, row_tiles * num_splits)](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin,
         q_norm if qk_norm else cos, k_norm if qk_norm else cos,
-        k_cache, v_cache, block_tables, context_lens, out, po, pm, pl, lk,
+        k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), context_lens.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), context_lens.stride(0),
+        tm.stride(0) if mode == MODE_TREE else 0, tm.stride(1) if mode == MODE_TREE else 0,
+        out.stride(0), out.stride(1),
         po.stride(0) if sp else 0, po.stride(1) if sp else 0, po.stride(2) if sp else 0,
         pm.stride(0) if sp else 0, pm.stride(1) if sp else 0,
         float(eps), float(scale) * LOG2E, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, HALF_PAD=max(16, _next_pow2(head_dim // 2)),
         D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        S=s_in, HAS_BIAS=bias is not None, QK_NORM=qk_norm, SPLIT=sp, MERGE=merge,
+        S=s_in, HAS_BIAS=bias is not None, QK_NORM=qk_norm, SPLIT=sp, MODE=mode, MERGE=merge,
         num_warps=4, num_stages=2, **pdl.kwargs())
     if sp and not merge:
-        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=True)
+        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out
 
 
@@ -496,9 +534,10 @@ class DecodeModel:
         self.scale = arch.head_dim ** -0.5
         self.planner = planner if planner is not None else LinearPlanner()
         self.fused_rope = os.environ.get(FUSED_ROPE_ENV, "0") == "1"
-        """Decode steps run RoPE + the K/V write inside the attention kernel
-        (decode_rope_attention; MEGATRON_TLT_FUSED_ROPE=1, read here: opt-in until timed on
-        a GPU). Same tokens either way: the fused kernel is the separate ones bit for bit."""
+        """Decode steps and verify forwards run RoPE + the K/V write inside the attention
+        kernel (rope_attention; MEGATRON_TLT_FUSED_ROPE=1, read here: opt-in until timed on
+        a GPU; extends keep the separate kernels). Same tokens either way: the fused kernel
+        is the separate ones bit for bit."""
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
         MEGATRON_TLT_PDL=1 on a Hopper GPU; a runner's graphs take the setting they were
@@ -563,11 +602,11 @@ class DecodeModel:
                 qkv, residual = self._norm_linear(h, residual, lw.input_norm, lw.qkv_weight)
             heads = dict(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                          bias=lw.qkv_bias, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps)
-            if self.fused_rope and query_start is None:  # decode: one launch fewer
-                o = decode_rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
-                                          kv_cache.k[layer], kv_cache.v[layer], block_tables,
-                                          context_lens, scale=self.scale, num_splits=num_splits,
-                                          **heads)
+            if self.fused_rope and max_query_len is None:  # decode or verify: one launch fewer
+                o = rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
+                                   kv_cache.k[layer], kv_cache.v[layer], block_tables,
+                                   context_lens, scale=self.scale, num_splits=num_splits,
+                                   query_start=query_start, tree_mask=tree_mask, **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
                                       kv_cache.k[layer], kv_cache.v[layer], **heads)

@@ -950,55 +950,67 @@ def test_pdl_decode_equals_plain_decode(monkeypatch):
     assert outs[True] == outs[False]
 
 
-def _rope_decode_case(ctx, *, heads, kvh, page, dtype, planes, bias, qk_norm, seed):
-    """One new token per sequence after a random cached prefix (scattered blocks): QKV
-    planes (float32 split-K partial sums, or one plane in the model dtype), metadata,
-    RoPE tables and the per-layer tensors decode_rope_attention takes."""
+def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, qk_norm, seed, q=1):
+    """q new tokens per sequence at its context's last positions, after a random cached
+    prefix (scattered blocks): QKV planes (float32 split-K partial sums, or one plane in
+    the model dtype), RoPE tables, and rope_attention's metadata (q > 1: a random tree per
+    sequence, RoPE positions prefix + depth) and per-layer keywords."""
     g = torch.Generator().manual_seed(seed)
     bt, total = scattered_blocks(ctx, page, g, 3)
     kc = torch.randn(total, page, kvh, HEAD_DIM, generator=g).to(dtype)
     vc = torch.randn(total, page, kvh, HEAD_DIM, generator=g).to(dtype)
     width = (heads + 2 * kvh) * HEAD_DIM
-    qkv = torch.randn(planes, len(ctx), width, generator=g)
+    qkv = torch.randn(planes, len(ctx) * q, width, generator=g)
     qkv = qkv.to(dtype) if planes == 1 else qkv
-    pos = torch.tensor([c - 1 for c in ctx], dtype=torch.int32)
-    slots = torch.tensor([int(bt[b, (c - 1) // page]) * page + (c - 1) % page
-                          for b, c in enumerate(ctx)], dtype=torch.int32)
+    masks = tree_masks(len(ctx), q, g)
+    depth = masks.sum(-1) - 1  # [B, Q]: ancestors of a node, itself excluded
+    pos = torch.tensor([c - q + int(depth[b, j]) for b, c in enumerate(ctx) for j in range(q)],
+                       dtype=torch.int32)
+    slots = torch.tensor([int(bt[b, (c - q + j) // page]) * page + (c - q + j) % page
+                          for b, c in enumerate(ctx) for j in range(q)], dtype=torch.int32)
     cos, sin = rope_table(8192, HEAD_DIM, 1e6)
     to = lambda x: None if x is None else x.to(CUDA)  # noqa: E731
     kw = dict(num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, eps=1e-6,
               bias=to(torch.randn(width, generator=g).to(dtype)) if bias else None,
               q_norm=to((1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(dtype)) if qk_norm else None,
               k_norm=to((1 + 0.1 * torch.randn(HEAD_DIM, generator=g)).to(dtype)) if qk_norm else None)
-    return (to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), to(bt),
-            to(torch.tensor(ctx, dtype=torch.int32)), kw)
+    meta = dict(block_tables=to(bt), context_lens=to(torch.tensor(ctx, dtype=torch.int32)))
+    if q > 1:
+        meta.update(query_start=to(torch.arange(len(ctx) + 1, dtype=torch.int32) * q),
+                    tree_mask=to(masks))
+    return to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), meta, kw
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["combine-kernel", "merge-in-kernel"])
+@pytest.mark.parametrize("q", [1, 5])
 @pytest.mark.parametrize("heads,kvh,planes,bias,qk_norm", [
     (12, 2, 4, True, False), (28, 4, 1, True, False), (32, 8, 2, False, True)])
-def test_decode_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, qk_norm,
-                                                            merge, monkeypatch):
-    """decode_rope_attention (MEGATRON_TLT_FUSED_ROPE=1's kernel) == qkv_rope_write_kv +
-    paged_attention bit for bit (output and both caches), bf16, compiled, at 1, 8 and 64
-    splits over contexts from 1 to 4500 (so splits with and without keys, and the new
-    token's split anywhere), eagerly and as 20 CUDA-graph replays; the caches are reset
-    before each replay, so a replay reading its own new K/V before writing it would show."""
+def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, qk_norm, q,
+                                                     merge, monkeypatch):
+    """rope_attention (MEGATRON_TLT_FUSED_ROPE=1's kernel) == qkv_rope_write_kv +
+    paged_attention bit for bit (output and both caches), bf16, compiled, decode (q = 1)
+    and tree verify (q = 5), at 1, 8 and 64 splits over contexts from 5 to 4500 (splits
+    with and without keys, the new tokens' split anywhere, also across two splits),
+    eagerly and as 20 CUDA-graph replays; the caches are reset before each replay, so a
+    replay reading a new K/V before writing it would show."""
     from megatron_tlt.rollout import triton_attention as ta
-    from megatron_tlt.rollout.gpu_model import decode_rope_attention
+    from megatron_tlt.rollout.gpu_model import rope_attention
     monkeypatch.setattr(ta, "_MERGE", merge)
     dtype = torch.bfloat16
-    ctx = [1, 17, 300, 4097, 5, 129, 64, 4500]
-    qkv, pos, slots, cos, sin, kc, vc, bt, ctx_t, kw = _rope_decode_case(
+    ctx = [5, 17, 300, 4097, 6, 129, 66, 4500]
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
         ctx, heads=heads, kvh=kvh, page=16, dtype=dtype, planes=planes, bias=bias,
-        qk_norm=qk_norm, seed=heads)
+        qk_norm=qk_norm, seed=heads + q, q=q)
+    tree = {} if q == 1 else dict(query_start=meta["query_start"], tree_mask=meta["tree_mask"],
+                                  max_query_len=q)
     for splits in (1, 8, 64):
         k1, v1 = kc.clone(), vc.clone()
-        q = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
-        ref = paged_attention(q, k1, v1, bt, ctx_t, scale=HEAD_DIM ** -0.5, num_splits=splits)
+        qr = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
+        ref = paged_attention(qr, k1, v1, meta["block_tables"], meta["context_lens"],
+                              scale=HEAD_DIM ** -0.5, num_splits=splits, **tree)
         k2, v2 = kc.clone(), vc.clone()
-        call = lambda: decode_rope_attention(qkv, pos, slots, cos, sin, k2, v2, bt, ctx_t,  # noqa: E731,B023
-                                             scale=HEAD_DIM ** -0.5, num_splits=splits, **kw)
+        call = lambda: rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: E731,B023
+                                      scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **kw)
         out = call()
         assert torch.equal(k2, k1) and torch.equal(v2, v1), splits
         assert torch.equal(out, ref), (splits, rel_err(out, ref))
@@ -1015,6 +1027,32 @@ def test_decode_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, 
     assert not ta.merge_counters(CUDA).any()
 
 
+def test_fused_rope_verify_graphs_equal_separate_bf16():
+    """Verify forwards replayed from graphs (bucket 4 x Q 5, then bucket 2 x Q 3) with
+    DecodeModel.fused_rope on == off: logits, hidden states and the KV pool bit for bit,
+    bf16 (the decode steps before them ran the same way)."""
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype, family="qwen3", tie=False)
+    runs = []
+    for fused in (False, True):
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
+        eng.decode_runner.model.fused_rope = fused
+        seqs = _prefill_and_decode(eng, arch)
+        g = torch.Generator().manual_seed(0)
+        got = []
+        for batch, q in ((3, 5), (2, 3)):
+            mask = tree_masks(batch, q, g)
+            base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
+            tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
+            o = eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1, mask,
+                                          return_hidden=True)
+            got += [o.logits.clone(), o.hidden_final.clone(), o.hidden_pre_norm.clone()]
+        assert eng.decode_runner.num_verify_replays == 2
+        runs.append(got + [eng.cache.k[0].clone(), eng.cache.v[1].clone()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("use_pdl", [False, True], ids=["plain", "pdl"])
 def test_fused_rope_graph_decode_equals_separate(family, use_pdl, monkeypatch):
@@ -1028,12 +1066,12 @@ def test_fused_rope_graph_decode_equals_separate(family, use_pdl, monkeypatch):
     dtype = torch.bfloat16
     arch, w = small_model(dtype, seed=8, family=family, tie=family == "qwen2")
     calls = {False: 0, True: 0}
-    real = gpu_model.decode_rope_attention
+    real = gpu_model.rope_attention
 
     def counting(*a, **k):
         calls[flag] += 1
         return real(*a, **k)
-    monkeypatch.setattr(gpu_model, "decode_rope_attention", counting)
+    monkeypatch.setattr(gpu_model, "rope_attention", counting)
 
     def configure(model, on):
         nonlocal flag
