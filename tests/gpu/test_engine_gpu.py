@@ -530,6 +530,21 @@ def _prefill_and_decode(eng, arch):
     return seqs
 
 
+def _two_verify_forwards(eng, seqs, arch) -> list[tuple]:
+    """(logits, final hidden, pre-norm hidden) of two verify forwards over random trees:
+    3 sequences x Q 5 (bucket 4), then 2 x Q 3."""
+    g = torch.Generator().manual_seed(0)
+    got = []
+    for batch, q in ((3, 5), (2, 3)):
+        mask = tree_masks(batch, q, g)
+        base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
+        tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
+        o = eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1, mask,
+                                      return_hidden=True)
+        got.append((o.logits.clone(), o.hidden_final.clone(), o.hidden_pre_norm.clone()))
+    return got
+
+
 def _graph_then_eager_fp32():
     """(engine, three sequences after _prefill_and_decode, arch): a CUDA-graph engine, then
     an eager one, both Triton, float32, same weights."""
@@ -563,15 +578,7 @@ def test_verify_graphs_match_eager_verify_fp32():
     another sequence's cache)."""
     runs = []
     for eng, seqs, arch in _graph_then_eager_fp32():
-        g = torch.Generator().manual_seed(0)
-        got = []
-        for batch, q in ((3, 5), (2, 3)):
-            mask = tree_masks(batch, q, g)
-            base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
-            tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
-            o = eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1, mask,
-                                          return_hidden=True)
-            got.append((o.logits.clone(), o.hidden_final.clone(), o.hidden_pre_norm.clone()))
+        got = _two_verify_forwards(eng, seqs, arch)
         runs.append((got, eng.cache.k[0].clone(), eng.cache.v[1].clone(), eng.decode_runner))
     (g_out, gk, gv, g_runner), (e_out, ek, ev, e_runner) = runs
     assert g_runner.num_verify_graphs == 2 and g_runner.num_verify_replays == 2
@@ -1037,18 +1044,9 @@ def test_fused_rope_verify_graphs_equal_separate_bf16():
     for fused in (False, True):
         eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True)
         eng.decode_runner.model.fused_rope = fused
-        seqs = _prefill_and_decode(eng, arch)
-        g = torch.Generator().manual_seed(0)
-        got = []
-        for batch, q in ((3, 5), (2, 3)):
-            mask = tree_masks(batch, q, g)
-            base = torch.tensor([s.num_computed for s in seqs[:batch]])[:, None]
-            tokens = torch.randint(0, arch.vocab_size, (batch, q), generator=g)
-            o = eng.verify_forward_output(seqs[:batch], tokens, base + mask.sum(-1) - 1, mask,
-                                          return_hidden=True)
-            got += [o.logits.clone(), o.hidden_final.clone(), o.hidden_pre_norm.clone()]
+        got = _two_verify_forwards(eng, _prefill_and_decode(eng, arch), arch)
         assert eng.decode_runner.num_verify_replays == 2
-        runs.append(got + [eng.cache.k[0].clone(), eng.cache.v[1].clone()])
+        runs.append([x for step in got for x in step] + [eng.cache.k[0].clone(), eng.cache.v[1].clone()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
