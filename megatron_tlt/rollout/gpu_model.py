@@ -59,6 +59,26 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _mul_rn(x, y):
+    """x * y in float32 that the compiler cannot fuse into an FMA with the add after it.
+    RoPE's `round(x * cos) - round(x' * sin)` (two bf16 products, each rounded, then the
+    sum rounded: what the bf16 torch ops do) otherwise lost a rounding on the GPU: LLVM
+    narrows `fptrunc(fmul(fpext a, fpext b))` of bf16 values to a bf16 multiply (exact),
+    and the backend then contracts that multiply and the subtraction into `fma.rn.bf16`
+    (session 24: 1-ulp differences in ~20% of the keys against the torch ops). PTX
+    `mul.rn` is never contracted. Under the interpreter (CPU tests) a plain product."""
+    x, y = tl.broadcast(x, y)
+    if _COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return x * y
+
+
 @triton.jit
 def _sum_planes(ptr, stride_s, offs, mask, S: tl.constexpr):
     """float32 sum of S partial-sum planes (triton_linear.py), added in plane order."""
@@ -173,10 +193,11 @@ def _qkv_rope_kernel(qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_
     c = c.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     s = s.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     # x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]
-    a1 = (x1 * c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    b1 = (x2 * s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    a2 = (x2 * c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    b2 = (x1 * s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    # _mul_rn: each product rounded on its own, never fused with the sum that follows
+    a1 = _mul_rn(x1, c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    b1 = _mul_rn(x2, s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    a2 = _mul_rn(x2, c).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    b2 = _mul_rn(x1, s).to(q_out_ptr.dtype.element_ty).to(tl.float32)
     o1 = (a1 - b1).to(q_out_ptr.dtype.element_ty)
     o2 = (a2 + b2).to(q_out_ptr.dtype.element_ty)
     q_dst = q_out_ptr + t * stride_qo_t + h * stride_qo_h
@@ -283,8 +304,8 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
     trig = pos[:, None] * stride_cos + d % HALF
     c = tl.load(cos_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
     sn = tl.load(sin_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
-    a = (x * c).to(DT).to(tl.float32)
-    b = (xp * sn).to(DT).to(tl.float32)
+    a = _mul_rn(x, c).to(DT).to(tl.float32)
+    b = _mul_rn(xp, sn).to(DT).to(tl.float32)
     return tl.where(lo, a - b, a + b).to(DT)  # x * cos + rotate_half(x) * sin
 
 
