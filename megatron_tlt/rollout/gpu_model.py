@@ -17,8 +17,8 @@ partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul
 take planes), so split-K costs no extra kernel and no atomics. At batch 1 the planner may
 also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
 SiLU * mul into the down projection's (when it times that faster than two kernels).
-With MEGATRON_TLT_FUSED_ROPE=1 a decode step or verify forward also folds the RoPE +
-K/V-write kernel into the attention kernel (`rope_attention`: every program computes its
+With MEGATRON_TLT_FUSED_ROPE=1 a decode step or verify forward of a model without q/k-norm
+also folds the RoPE + K/V-write kernel into the attention kernel (`rope_attention`: every program computes its
 own query rows' RoPE; the programs holding the new positions write their K/V first), bit
 for bit the separate kernels' result.
 
@@ -264,15 +264,13 @@ def qkv_rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] rows: q, k, v
 
 
 @triton.jit
-def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos, stride_cos, eps,
+def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, hh, r_ok, pos, stride_cos,
                DT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-               HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, S: tl.constexpr,
-               HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    """_qkv_rope_kernel's math for R rows: row r is fused-QKV head hh[r] of the token whose
-    planes row starts at row[r], at position pos[r]; laid out [R, D_PAD] (column d, partner
-    column d +- HALF) instead of as two halves: the same roundings element by element, and
-    the q/k norm's mean square summed over the same [R, HALF_PAD] halves, so the result is
-    the separate kernel's bit for bit."""
+               D_PAD: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """_qkv_rope_kernel's math (without the q/k norm) for R rows: row r is fused-QKV head
+    hh[r] of the token whose planes row starts at row[r], at position pos[r]; laid out
+    [R, D_PAD] (column d, partner column d +- HALF) instead of as two halves, the same
+    roundings element by element, so the result is the separate kernel's bit for bit."""
     d = tl.arange(0, D_PAD)[None, :]
     lo = d < HALF
     partner = tl.where(lo, d + HALF, d - HALF)
@@ -286,21 +284,6 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
         xp += tl.load(bias_ptr + col + partner, mask=ok, other=0.0).to(tl.float32)
     x = x.to(DT).to(tl.float32)
     xp = xp.to(DT).to(tl.float32)
-    if QK_NORM:
-        i = tl.arange(0, HALF_PAD)[None, :]
-        h_ok = r_ok[:, None] & (i < HALF)
-        x1 = _sum_planes(base, stride_s, i, h_ok, S)
-        x2 = _sum_planes(base + HALF, stride_s, i, h_ok, S)
-        if HAS_BIAS:
-            x1 += tl.load(bias_ptr + col + i, mask=h_ok, other=0.0).to(tl.float32)
-            x2 += tl.load(bias_ptr + col + HALF + i, mask=h_ok, other=0.0).to(tl.float32)
-        x1 = x1.to(DT).to(tl.float32)
-        x2 = x2.to(DT).to(tl.float32)
-        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-        w = tl.load(nw_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        wp = tl.load(nw_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        x = (w * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-        xp = (wp * (xp * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     trig = pos[:, None] * stride_cos + d % HALF
     c = tl.load(cos_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
     sn = tl.load(sin_ptr + trig, mask=ok, other=0.0).to(DT).to(tl.float32)
@@ -311,17 +294,17 @@ def _rope_rows(row, stride_s, bias_ptr, cos_ptr, sin_ptr, nw_ptr, hh, r_ok, pos,
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _rope_attention_kernel(
-        qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+        qkv_ptr, bias_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, tm_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr,
         stride_qkv_s, stride_qkv, stride_pos, stride_slot, stride_cos,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_btb, stride_ctx, stride_tmb, stride_tmi, stride_ot, stride_oh,
         stride_pot, stride_poh, stride_pos_s, stride_pmt, stride_pmh,
-        eps, scale_log2, num_splits,
+        scale_log2, num_splits,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
-        HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
@@ -358,9 +341,8 @@ def _rope_attention_kernel(
         pos_w = tl.load(pos_ptr + tok_w * stride_pos, mask=j_ok, other=0).to(tl.int64)
         row_w = qkv_ptr + tok_w * stride_qkv
         kh = NUM_HEADS + kvh + 0 * j
-        k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kn_ptr, kh, j_ok,
-                           pos_w, stride_cos, eps, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
-                           HALF_PAD, D_PAD, S, HAS_BIAS, QK_NORM)
+        k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
+                           stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S, HAS_BIAS)
         w_ok = (j_ok & (slot >= 0))[:, None] & (dd < HEAD_DIM)
         vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
         v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
@@ -382,8 +364,8 @@ def _rope_attention_kernel(
     if split < n_live:  # a split without keys (most, for short contexts) needs no query
         pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok, other=0).to(tl.int64)
         q = _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr,
-                       qn_ptr, head, row_ok, pos, stride_cos, eps, k_ptr.dtype.element_ty,
-                       HEAD_DIM, HALF, HALF_PAD, D_PAD, S, HAS_BIAS, QK_NORM)  # 0 past n_new
+                       head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
+                       D_PAD, S, HAS_BIAS)  # 0 past n_new
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
@@ -408,15 +390,17 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
                    block_tables: torch.Tensor,  # [B, max_blocks] int, last dim contiguous
                    context_lens: torch.Tensor,  # [B] int (any stride), new tokens included
                    *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                   bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                   k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                   bias: torch.Tensor | None = None,
                    query_start: torch.Tensor | None = None,  # [B + 1] with tree_mask; None: decode
                    tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
                    num_splits: int = 1) -> torch.Tensor:  # [T, H, D] attention output
     """qkv_rope_write_kv followed by paged_attention in one kernel launch (plus
     _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
     with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
-    at the context's last positions). The same K/V written and the same output, bit for bit."""
+    at the context's last positions). The same K/V written and the same output, bit for bit.
+    No q/k norm (Qwen3): the norm's sum of squares is reduced in whatever layout the
+    compiler picks for each kernel, and the two kernels' orders differed on the H100
+    (session 24), so such models keep the separate kernels (DecodeModel.fused_rope)."""
     qkv = _planes(qkv)
     s_in, t = qkv.shape[0], qkv.shape[1]
     nb, page, kvh, hd = k_cache.shape
@@ -457,12 +441,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
     block_n = block_n_for(k_cache.dtype)
-    qk_norm = q_norm is not None
     qs = query_start if query_start is not None else context_lens
     _rope_attention_kernel[(bsz, kvh, row_tiles * num_splits)](
-        qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin,
-        q_norm if qk_norm else cos, k_norm if qk_norm else cos,
-        k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
+        qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -471,11 +452,11 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         out.stride(0), out.stride(1),
         po.stride(0) if sp else 0, po.stride(1) if sp else 0, po.stride(2) if sp else 0,
         pm.stride(0) if sp else 0, pm.stride(1) if sp else 0,
-        float(eps), float(scale) * LOG2E, num_splits,
+        float(scale) * LOG2E, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
-        HALF=head_dim // 2, HALF_PAD=max(16, _next_pow2(head_dim // 2)),
-        D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        S=s_in, HAS_BIAS=bias is not None, QK_NORM=qk_norm, SPLIT=sp, MODE=mode, MERGE=merge,
+        HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
+        BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
+        MERGE=merge,
         num_warps=4, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
@@ -556,8 +537,8 @@ class DecodeModel:
         self.planner = planner if planner is not None else LinearPlanner()
         self.fused_rope = os.environ.get(FUSED_ROPE_ENV, "0") == "1"
         """Decode steps and verify forwards run RoPE + the K/V write inside the attention
-        kernel (rope_attention; MEGATRON_TLT_FUSED_ROPE=1, read here: opt-in until timed on
-        a GPU; extends keep the separate kernels). Same tokens either way: the fused kernel
+        kernel (rope_attention; MEGATRON_TLT_FUSED_ROPE=1, read here; extends and models
+        with q/k-norm keep the separate kernels). Same tokens either way: the fused kernel
         is the separate ones bit for bit."""
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
@@ -622,15 +603,17 @@ class DecodeModel:
             else:
                 qkv, residual = self._norm_linear(h, residual, lw.input_norm, lw.qkv_weight)
             heads = dict(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                         bias=lw.qkv_bias, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=eps)
-            if self.fused_rope and max_query_len is None:  # decode or verify: one launch fewer
+                         bias=lw.qkv_bias)
+            if self.fused_rope and max_query_len is None and lw.q_norm is None:
+                # decode or verify: one launch fewer (rope_attention: no q/k-norm models)
                 o = rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
                                    kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                    context_lens, scale=self.scale, num_splits=num_splits,
                                    query_start=query_start, tree_mask=tree_mask, **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
-                                      kv_cache.k[layer], kv_cache.v[layer], **heads)
+                                      kv_cache.k[layer], kv_cache.v[layer], q_norm=lw.q_norm,
+                                      k_norm=lw.k_norm, eps=eps, **heads)
                 o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
