@@ -100,8 +100,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "graphs recaptured)")
     p.add_argument("--compare-fused-rope", action="store_true",
                    help="also time decode with RoPE + the K/V write folded into the attention "
-                        "kernel switched the other way (MEGATRON_TLT_FUSED_ROPE=1 turns it on; "
-                        "graphs recaptured)")
+                        "kernel switched the other way (on by default, MEGATRON_TLT_FUSED_ROPE=0 "
+                        "turns it off; graphs recaptured)")
     p.add_argument("--compare-merge", action="store_true",
                    help="also time decode with the split-K attention merge in the attention kernel "
                         "switched the other way (MEGATRON_TLT_FUSED_COMBINE=1 turns it on; graphs "

@@ -39,10 +39,11 @@
 #             (random weights, no target needed): what making it the default waits for
 #             (session 23 timed only decode with it). The spec stage under
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
-#   fusions   RoPE folded into the decode attention kernel (MEGATRON_TLT_FUSED_ROPE=1) and
-#             the live-split in-kernel merge (MEGATRON_TLT_FUSED_COMBINE=1), both opt-in:
-#             their GPU tests (and tests/gpu/test_spec_gpu.py with both on), then bench
-#             rollout --compare-fused-rope --compare-merge with PDL on and off, then
+#   fusions   RoPE folded into the attention kernel of decode and verify (MEGATRON_TLT_FUSED_ROPE,
+#             on by default since session 24) and the live-split in-kernel merge
+#             (MEGATRON_TLT_FUSED_COMBINE=1, opt-in): their GPU tests (and
+#             tests/gpu/test_spec_gpu.py with both on), then bench rollout
+#             --compare-fused-rope --compare-merge with PDL on and off, then
 #             tools/profile_decode.py at batch 1 with both off / on (random weights, no
 #             target needed; a 600 s call)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
@@ -158,11 +159,11 @@ case "$STAGE" in
     echo "[runbook] pdl tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_pdl1.log" ;;
   fusions)
-    # Session 24's two launches fewer per layer, both opt-in until timed here: RoPE + the
-    # K/V write inside the decode attention kernel (MEGATRON_TLT_FUSED_ROPE=1) and the
-    # in-kernel split-K merge over live splits only (MEGATRON_TLT_FUSED_COMBINE=1). Their
-    # GPU tests first (bit-exact against the separate kernels, graphs, PDL), then bench
-    # rollout timing each side by side, without and with PDL.
+    # Session 24's launches fewer per layer: RoPE + the K/V write inside the attention
+    # kernel (MEGATRON_TLT_FUSED_ROPE, default on) and the in-kernel split-K merge over live
+    # splits only (MEGATRON_TLT_FUSED_COMBINE=1, opt-in). Their GPU tests first (bit-exact
+    # against the separate kernels, graphs, PDL), then bench rollout timing each side by
+    # side, without and with PDL.
     timeout "$(( $(left) - 380 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
         -k "rope or split_merge or decode_kernel or verify_kernel or pdl or cuda_graph_decode" \
         > "$RESULTS/gpu_tests_fusions.log" 2>&1

@@ -30,7 +30,10 @@ GPU suite has run with it on: on the H200 (session 23, random weights) it took t
 step from 1.541 to 1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the
 7B shape, with the tokens unchanged (`tests/gpu/test_engine_gpu.py::
 test_pdl_decode_equals_plain_decode`), but the speculative paths (verify forward, drafter
-kernels) have not run on a GPU with it. `DecodeModel.pdl` holds the choice per model.
+kernels) have not run on a GPU with it. Session 24 (H200, with the 32 MB prefetch): the
+engine's GPU tests other than the kernel grids passed with it (66, verify and sampling
+graphs included); the speculative test files were cut by their time limit at 11 passed,
+0 failed. `DecodeModel.pdl` holds the choice per model.
 Kernel wrappers read the flag of the innermost `launches` context: `kwargs()` gives their
 launch keywords.
 """
