@@ -175,11 +175,12 @@ def test_row_local_plans_never_take_cublas(monkeypatch):
 
 
 def test_decode_step_launch_count_with_every_fusion(monkeypatch):
-    """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues) and the
-    split-K merge in the attention kernel, a decode step launches 6 Triton kernels per
-    layer (QKV, RoPE + K/V write, attention, O, gate_up, down) plus 3 (the first layer's
-    input norm, the final norm, the head): 171 for 28 layers against 282 without them.
-    Counted at the launcher, so a change that adds a launch per layer fails here."""
+    """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues, RoPE +
+    K/V write in the attention kernel) and the split-K merge in the attention kernel, a
+    decode step launches 5 Triton kernels per layer (QKV, RoPE + attention, O, gate_up,
+    down) plus 3 (the first layer's input norm, the final norm, the head): 143 for 28
+    layers against 282 without them. Counted at the launcher, so a change that adds a
+    launch per layer fails here."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from megatron_tlt.rollout import triton_attention as ta
@@ -199,6 +200,7 @@ def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     for fused in (True, False):
         monkeypatch.setattr(ta, "_MERGE", fused)
         model = DecodeModel(arch, w, ref.cos, ref.sin, planner=LinearPlanner(fixed=fma, fixed_fused=fused))
+        model.fused_rope = fused
         cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
                              head_dim=arch.head_dim, num_blocks=8, block_size=4)
         counts.clear()
@@ -208,6 +210,7 @@ def test_decode_step_launch_count_with_every_fusion(monkeypatch):
         monkeypatch.setattr(InterpretedFunction, "run", run)
         launches[fused] = len(counts)
     layers = arch.num_layers
-    assert launches[True] == 6 * layers + 3, counts
-    assert launches[False] == 10 * layers + 2  # the control: separate norm, SiLU and combine kernels
+    assert launches[True] == 5 * layers + 3, counts
+    # the control: separate norm, RoPE, SiLU and combine kernels
+    assert launches[False] == 10 * layers + 2
 
