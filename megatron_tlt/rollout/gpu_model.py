@@ -18,9 +18,9 @@ take planes), so split-K costs no extra kernel and no atomics. At batch 1 the pl
 also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
 SiLU * mul into the down projection's (when it times that faster than two kernels).
 By default (MEGATRON_TLT_FUSED_ROPE=0 turns it off) a decode step or verify forward of a
-model without q/k-norm also folds the RoPE + K/V-write kernel into the attention kernel (`rope_attention`: every program computes its
-own query rows' RoPE; the programs holding the new positions write their K/V first), bit
-for bit the separate kernels' result.
+model without q/k-norm also folds the RoPE + K/V-write kernel into the attention kernel
+(`rope_attention`: every program computes its own query rows' RoPE; the programs holding
+the new positions write their K/V first), bit for bit the separate kernels' result.
 
 Numerics follow the reference (and HF) rounding points so the fused kernels round where
 the unfused bf16 ops round: the residual sum is rounded to the model dtype, RMSNorm
@@ -414,7 +414,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         raise ValueError(f"rope_attention: block_tables for {block_tables.shape[0]} sequences, "
                          f"context_lens for {bsz}")
     if (query_start is None) != (tree_mask is None):
-        raise ValueError("rope_attention: query_start and tree_mask go together (verify), or neither (decode)")
+        raise ValueError("rope_attention: query_start and tree_mask go together (verify), "
+                         "or neither (decode)")
     if tree_mask is None:
         mode, q_len = MODE_DECODE, 1
         if t != bsz:
@@ -443,7 +444,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     block_n = block_n_for(k_cache.dtype)
     qs = query_start if query_start is not None else context_lens
     _rope_attention_kernel[(bsz, kvh, row_tiles * num_splits)](
-        qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
+        qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
+        v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -456,8 +458,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
-        MERGE=merge,
-        num_warps=4, num_stages=2, **pdl.kwargs())
+        MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out
@@ -541,7 +542,7 @@ class DecodeModel:
         extends and models with q/k-norm keep the separate kernels). Same tokens either
         way: the fused kernel is the separate ones bit for bit (tests/gpu, session 24). On
         by default since session 24: faster in every bench rollout configuration timed
-        (1.5B and 7B shapes, batch 1/8/32, with and without PDL): 1.005-1.037x on an
+        (1.5B and 7B shapes, batch 1/8/32, with and without PDL): 1.008-1.037x on an
         H100, 1.005-1.024x on an H200 (benchmarks/results/gpu_2026-12-05_session24)."""
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
