@@ -33,11 +33,10 @@
 #             kernel of sessions 18-19 on and off (random weights, no target needed;
 #             pg_kernels_s19_{1,0}.json, each side its own plan file)
 #             KERNEL_PARTS=tests (or profile) runs one half
-#   pdl       programmatic dependent launch (opt-in, MEGATRON_TLT_PDL=1) through the GPU tests
-#             of the engine and the speculative paths, then bench rollout with it and with
-#             the L2 weight prefetch (MEGATRON_TLT_PDL_PREFETCH_MB=32), each --compare-pdl
-#             (random weights, no target needed): what making it the default waits for
-#             (session 23 timed only decode with it). The spec stage under
+#   pdl       programmatic dependent launch (opt-in, MEGATRON_TLT_PDL=1) with the 32 MB L2
+#             prefetch through the speculative GPU tests first (what making it the default
+#             waits for), then tests/gpu/test_engine_gpu.py, then bench rollout --compare-pdl
+#             (random weights, no target needed; a 600 s call). The spec stage under
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
 #   fusions   RoPE folded into the attention kernel of decode and verify (MEGATRON_TLT_FUSED_ROPE,
 #             on by default since session 24) and the live-split in-kernel merge
@@ -62,6 +61,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$RESULTS"
 t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+# seconds left minus a reserve for what follows, at least 30 (a negative timeout is an error)
+upto() { local v=$(( $(left) - $1 )); [ "$v" -lt 30 ] && v=30; echo "$v"; }
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/megatron*.whl > /dev/null 2>&1 || { [ -d /tmp/site/megatron ] || { echo "no megatron-core wheel in .whl"; exit 0; }; }
@@ -104,7 +105,7 @@ case "$STAGE" in
     done
     echo "[runbook] acceptance: at $(( $(date +%s) - t0 )) s" ;;
   rollout)
-    timeout "$(( $(left) - 100 ))" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_pdl.json" \
+    timeout "$(upto 100)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_pdl.json" \
         --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf --compare-pdl 2>&1 | tail -n 30
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k pdl \
         2>&1 | tail -n 15 | tee "$RESULTS/gpu_tests_pdl.log"
@@ -146,31 +147,38 @@ case "$STAGE" in
       echo "[runbook] kernels profile (sessions 18-19 kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
   pdl)
-    for pf in 0 32; do
-      [ "$(left)" -gt 60 ] || break
-      MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=$pf timeout 100 $PY -m megatron_tlt bench rollout \
-          --json "$RESULTS/bench_rollout_pdl1_prefetch$pf.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
-          --no-hf --compare-pdl 2>&1 | grep -E "^ *(1.5b|7b) |PDL|rror" | tail -n 14
-      echo "[runbook] pdl bench (prefetch ${pf} MB): rc=$? at $(( $(date +%s) - t0 )) s"
-    done
-    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(left)" $PY -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_spec_gpu.py tests/gpu/test_eagle_graph_gpu.py \
-        tests/gpu/test_eagle_tree_graph_gpu.py > "$RESULTS/gpu_tests_pdl1.log" 2>&1
-    echo "[runbook] pdl tests: rc=$? at $(( $(date +%s) - t0 )) s"
-    tail -n 4 "$RESULTS/gpu_tests_pdl1.log" ;;
+    # What making PDL the default waits for: the speculative GPU tests with it on, first
+    # (session 24 cut them at 11 passed, 0 failed, compiling the PDL variants; the engine
+    # tests passed with it there), then the engine tests the same session ran, then one
+    # bench rollout with the 32 MB prefetch against PDL off (--compare-pdl).
+    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 250)" $PY -m pytest -q \
+        -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/gpu/test_eagle_graph_gpu.py \
+        tests/gpu/test_eagle_tree_graph_gpu.py > "$RESULTS/gpu_tests_pdl1_spec.log" 2>&1
+    echo "[runbook] pdl spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_pdl1_spec.log"
+    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 100)" $PY -m pytest -q \
+        -p no:cacheprovider tests/gpu/test_engine_gpu.py > "$RESULTS/gpu_tests_pdl1_engine.log" 2>&1
+    echo "[runbook] pdl engine tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_pdl1_engine.log"
+    if [ "$(left)" -gt 60 ]; then
+      MEGATRON_TLT_PDL=0 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 5)" $PY -m megatron_tlt \
+          bench rollout --json "$RESULTS/bench_rollout_pdl_prefetch32.json" --shapes 1.5b,7b \
+          --batch-sizes 1,8,32 --no-hf --compare-pdl 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+      echo "[runbook] pdl bench: rc=$? at $(( $(date +%s) - t0 )) s"
+    fi ;;
   fusions)
     # Session 24's launches fewer per layer: RoPE + the K/V write inside the attention
     # kernel (MEGATRON_TLT_FUSED_ROPE, default on) and the in-kernel split-K merge over live
     # splits only (MEGATRON_TLT_FUSED_COMBINE=1, opt-in). Their GPU tests first (bit-exact
     # against the separate kernels, graphs, PDL), then bench rollout timing each side by
     # side, without and with PDL.
-    timeout "$(( $(left) - 380 ))" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+    timeout "$(upto 380)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
         -k "rope or split_merge or decode_kernel or verify_kernel or pdl or cuda_graph_decode" \
         > "$RESULTS/gpu_tests_fusions.log" 2>&1
     echo "[runbook] fusions tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_fusions.log"
     # The speculative paths with both fusions on (SD == plain decode, verify graphs == eager).
-    MEGATRON_TLT_FUSED_ROPE=1 MEGATRON_TLT_FUSED_COMBINE=1 timeout "$(( $(left) - 310 ))" $PY -m pytest \
+    MEGATRON_TLT_FUSED_ROPE=1 MEGATRON_TLT_FUSED_COMBINE=1 timeout "$(upto 310)" $PY -m pytest \
         -q -p no:cacheprovider tests/gpu/test_spec_gpu.py > "$RESULTS/gpu_tests_fusions_spec.log" 2>&1
     echo "[runbook] fusions spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_fusions_spec.log"
