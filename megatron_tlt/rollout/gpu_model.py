@@ -43,9 +43,11 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
-                                                   MODE_TREE, _attend, _finish, _split_range,
+                                                   MODE_TREE, _attend, _finish, _n_merge, _program,
+                                                   _query_rows, _split_range,
                                                    attention_merge_in_kernel, block_n_for,
-                                                   combine_splits, paged_attention, split_buffers)
+                                                   combine_splits, paged_attention, split_buffers,
+                                                   split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
@@ -314,18 +316,7 @@ def _rope_attention_kernel(
     barrier, so the block's own loads see its stores) and read them back like every other
     key: every split's arithmetic is the separate kernels'."""
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pid2 = tl.program_id(2)
-    tile = pid2 // num_splits
-    split = pid2 % num_splits
-    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
-    if MODE == 0:
-        q0 = b
-        n_new = 1
-    else:
-        q0 = tl.load(qs_ptr + b).to(tl.int32)
-        n_new = tl.load(qs_ptr + b + 1).to(tl.int32) - q0
+    b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
     prefix = ctx - n_new
     start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
 
@@ -355,11 +346,7 @@ def _rope_attention_kernel(
                  v_new.to(v_ptr.dtype.element_ty), mask=w_ok)
     tl.debug_barrier()  # the K/V stores before this block's loads of them
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = rows // G
-    row_ok = qi < n_new
-    head = kvh * G + rows % G
-    tok = (q0 + qi).to(tl.int64)
+    qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
     q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
     if split < n_live:  # a split without keys (most, for short contexts) needs no query
         pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok, other=0).to(tl.int64)
@@ -372,9 +359,7 @@ def _rope_attention_kernel(
                             row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                             stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
                             BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
-    n_merge = n_live
-    if MODE != 0 and not MERGE:
-        n_merge = num_splits  # _combine_kernel knows no sequence's length here: all count
+    n_merge = _n_merge(n_live, num_splits, MODE, MERGE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
@@ -451,9 +436,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), context_lens.stride(0),
         tm.stride(0) if mode == MODE_TREE else 0, tm.stride(1) if mode == MODE_TREE else 0,
-        out.stride(0), out.stride(1),
-        po.stride(0) if sp else 0, po.stride(1) if sp else 0, po.stride(2) if sp else 0,
-        pm.stride(0) if sp else 0, pm.stride(1) if sp else 0,
+        out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,

@@ -134,6 +134,43 @@ def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE: tl.constexpr):
+    """This program's (sequence b, KV head, row tile, split) from the grid (B, KVH,
+    row_tiles * num_splits), and sequence b's context length (new tokens included), first
+    new token's row q0 and number of new tokens (decode: row b, one)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+    if MODE == 0:
+        q0 = b
+        n_new = 1
+    else:
+        q0 = tl.load(qs_ptr + b).to(tl.int32)
+        n_new = tl.load(qs_ptr + b + 1).to(tl.int32) - q0
+    return b, kvh, pid2 // num_splits, pid2 % num_splits, ctx, q0, n_new
+
+
+@triton.jit
+def _query_rows(tile, q0, n_new, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row tile's query rows `rows = query_index * G + head_in_group`: (query index,
+    valid, query head, token row)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    return qi, qi < n_new, kvh * G + rows % G, (q0 + qi).to(tl.int64)
+
+
+@triton.jit
+def _n_merge(n_live, num_splits, MODE: tl.constexpr, MERGE: tl.constexpr):
+    """How many splits the merge reads: the live ones, except for a _combine_kernel
+    outside decode, which knows no sequence's length and reads every split."""
+    n = n_live
+    if MODE != 0 and not MERGE:
+        n = num_splits
+    return n
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row_ok, d, d_ok,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
             stride_tmb, stride_tmi, scale_log2,
@@ -230,35 +267,16 @@ def _paged_attention_kernel(
         SPLIT: tl.constexpr, MODE: tl.constexpr, MERGE: tl.constexpr = False,
         USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pid2 = tl.program_id(2)
-    tile = pid2 // num_splits
-    split = pid2 % num_splits
-
-    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
-    if MODE == 0:
-        q0 = b
-        n_new = 1
-    else:
-        q0 = tl.load(qs_ptr + b).to(tl.int32)
-        n_new = tl.load(qs_ptr + b + 1).to(tl.int32) - q0
+    b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
     prefix = ctx - n_new
-
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = rows // G
-    row_ok = qi < n_new
-    head = kvh * G + rows % G
+    qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    tok = (q0 + qi).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
-    n_merge = n_live
-    if MODE != 0 and not MERGE:
-        n_merge = num_splits  # _combine_kernel knows no sequence's length here: all count
+    n_merge = _n_merge(n_live, num_splits, MODE, MERGE)
     if MODE == 1:
         # Causal: no row of this tile sees past prefix + its last query index.
         last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, n_new - 1)
@@ -416,6 +434,14 @@ def split_buffers(out: torch.Tensor,  # [T, num_heads, head_dim]: the attention 
     return po, pm, pl, lk
 
 
+def split_strides(po, pm, num_splits: int) -> tuple[int, int, int, int, int]:
+    """The kernels' stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh of
+    split_buffers' partials (zeros without split-K: placeholders)."""
+    if num_splits == 1:
+        return 0, 0, 0, 0, 0
+    return po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1)
+
+
 def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool) -> None:
     """_combine_kernel: out <- the merge of split_buffers' partials (`decode`: row t is
     sequence t, whose live splits alone wrote; else every split wrote)."""
@@ -502,10 +528,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), context_lens.stride(0),
         tm.stride(0) if mode == MODE_TREE else 0, tm.stride(1) if mode == MODE_TREE else 0,
-        out.stride(0), out.stride(1),
-        po.stride(0) if num_splits > 1 else 0, po.stride(1) if num_splits > 1 else 0,
-        po.stride(2) if num_splits > 1 else 0,
-        pm.stride(0) if num_splits > 1 else 0, pm.stride(1) if num_splits > 1 else 0,
+        out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         SPLIT=num_splits > 1, MODE=mode, MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
