@@ -106,6 +106,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with the split-K attention merge in the attention kernel "
                         "switched the other way (MEGATRON_TLT_FUSED_COMBINE=1 turns it on; graphs "
                         "recaptured)")
+    p.add_argument("--compare-split-min", action="store_true",
+                   help="also time decode with split-K attention splits of single key tiles "
+                        "(MEGATRON_TLT_SPLIT_MIN_TILES=1) against the default 4-tile minimum "
+                        "(or 4 when the process runs with another; graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -410,7 +414,8 @@ _VARIANTS = {  # row key of an A/B timing -> its column title
     "decode_ms_pdl": "pdl_ms", "decode_ms_nopdl": "no_pdl_ms",
     "decode_ms_fused_rope": "fused_rope_ms", "decode_ms_separate_rope": "separate_rope_ms",
     "decode_ms_merge_in_kernel": "merge_in_kernel_ms",
-    "decode_ms_combine_kernel": "combine_kernel_ms", "decode_ms_cublas": "cublas_ms"}
+    "decode_ms_combine_kernel": "combine_kernel_ms", "decode_ms_split_min": "split_min_ms",
+    "decode_ms_cublas": "cublas_ms"}
 
 
 def variant_table(rows: list[dict]) -> list[str]:
@@ -557,6 +562,18 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         runner.release()
         for row in rows:
             row["merge_in_kernel"] = flag
+    if args.compare_split_min and runner is not None and plan.graphs:
+        from megatron_tlt.rollout import triton_attention
+        cur = triton_attention.split_min_tiles()
+        other = 1 if cur != 1 else 4
+        triton_attention.set_split_min_tiles(other)
+        runner.release()
+        _retime(engine, rows, prompts, args, "decode_ms_split_min", "split_min",
+                f"split-K splits of at least {other} key tile(s)", name, log)
+        triton_attention.set_split_min_tiles(cur)
+        runner.release()
+        for row in rows:
+            row["split_min_tiles"], row["split_min_tiles_variant"] = cur, other
     if args.compare_cublas and runner is not None and plan.graphs:
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
@@ -701,6 +718,7 @@ def main(args: argparse.Namespace) -> int:
                      "compare_cublas": opts.compare_cublas, "compare_pdl": opts.compare_pdl,
                      "compare_fused_rope": opts.compare_fused_rope,
                      "compare_merge": opts.compare_merge,
+                     "compare_split_min": opts.compare_split_min,
                      "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
@@ -723,6 +741,9 @@ def main(args: argparse.Namespace) -> int:
             "decode_ms_merge_in_kernel": "decode_ms with the split-K attention merge in the "
                                          "attention kernel (--compare-merge, when decode_ms ran "
                                          "with _combine_kernel; decode_ms_combine_kernel the converse)",
+            "decode_ms_split_min": "decode_ms with the split-K attention's minimum key tiles "
+                                   "per split switched (--compare-split-min: "
+                                   "split_min_tiles_variant against split_min_tiles)",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate",
         },

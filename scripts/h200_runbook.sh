@@ -45,6 +45,10 @@
 #             --compare-fused-rope --compare-merge with PDL on and off, then
 #             tools/profile_decode.py at batch 1 with both off / on (random weights, no
 #             target needed; a 600 s call)
+#   splits    session 25's attention changes (4-tile minimum split, unrolled in-kernel merge,
+#             decode K/V from registers, loads before the PDL wait): their GPU tests, bench
+#             rollout --compare-split-min --compare-merge with PDL on and off, then
+#             tests/gpu/test_spec_gpu.py (random weights, no target needed; a 600 s call)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -194,12 +198,37 @@ case "$STAGE" in
       MEGATRON_TLT_FUSED_ROPE=$f MEGATRON_TLT_FUSED_COMBINE=$f timeout 40 $PY tools/profile_decode.py \
           --shape 1.5b --batch 1 --json "$RESULTS/profile_decode_1p5b_b1_fused$f.json" 2>&1 | tail -n 12
     done ;;
+  splits)
+    # Session 25: split-K splits of at least 4 key tiles (a context of up to 256 keys is one
+    # split that writes its output, no merge), the unrolled in-kernel merge, and decode
+    # attention taking the new token's K/V from registers (its first key tile loaded before
+    # the PDL wait). The attention kernels' GPU tests first (bit-exact against the separate
+    # kernels, graphs, PDL), then bench rollout with --compare-split-min --compare-merge,
+    # PDL on and off, then the speculative tests (the verify forward's splits changed too).
+    timeout "$(upto 320)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "rope or split_merge or decode_kernel or verify or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
+        > "$RESULTS/gpu_tests_splits.log" 2>&1
+    echo "[runbook] splits tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_splits.log"
+    for p in 1 0; do
+      [ "$(left)" -gt 60 ] || break
+      MEGATRON_TLT_PDL=$p timeout "$(upto 20)" $PY -m megatron_tlt bench rollout \
+          --json "$RESULTS/bench_rollout_splits_pdl$p.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
+          --no-hf --compare-split-min --compare-merge 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+      echo "[runbook] splits bench (PDL $p): rc=$? at $(( $(date +%s) - t0 )) s"
+    done
+    if [ "$(left)" -gt 60 ]; then
+      timeout "$(upto 5)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py \
+          > "$RESULTS/gpu_tests_splits_spec.log" 2>&1
+      echo "[runbook] splits spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
+      tail -n 4 "$RESULTS/gpu_tests_splits_spec.log"
+    fi ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits gputests)" ;;
 esac
 exit 0

@@ -132,11 +132,10 @@ class DecodeRunner:
         self.buckets = bucket_sizes(batch_sizes, max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.width = -(-max_model_len // cache.block_size)
-        sms = num_sms(self.device)
-        self.num_splits = {b: choose_num_splits(b, arch.num_kv_heads, max_model_len, sms=sms,
-                                                block_n=block_n_for(cache.dtype))
-                           for b in self.buckets}
-        """Split-K factor of the attention kernel per bucket."""
+        self.max_model_len = max_model_len
+        self.num_splits = self._decode_splits()
+        """Split-K factor of the attention kernel per bucket (chosen again by release():
+        triton_attention.set_split_min_tiles changes it)."""
         shape = (self.max_batch, _NCOL + self.width)
         self._meta = torch.zeros(shape, dtype=torch.int32, device=self.device)  # graph inputs
         self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -687,9 +686,16 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
 
+    def _decode_splits(self) -> dict[int, int]:
+        sms = num_sms(self.device)
+        return {b: choose_num_splits(b, self.model.arch.num_kv_heads, self.max_model_len, sms=sms,
+                                     block_n=block_n_for(self.cache.dtype))
+                for b in self.buckets}
+
     def release(self) -> None:
         """Drop the graphs (decode, sampling and verify), their memory pool and the logits
-        buffers (engine.sleep())."""
+        buffers (engine.sleep()); the next capture takes the split-K factors chosen now."""
+        self.num_splits = self._decode_splits()
         self._graphs.clear()
         self._ghidden.clear()
         self._sgraphs.clear()

@@ -43,11 +43,12 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
-                                                   MODE_TREE, _attend, _finish, _n_merge, _program,
-                                                   _query_rows, _split_range,
+                                                   MODE_TREE, _attend, _attend_tile, _finish,
+                                                   _load_kv, _n_merge, _program, _query_rows,
+                                                   _split_range,
                                                    attention_merge_in_kernel, block_n_for,
                                                    combine_splits, paged_attention, split_buffers,
-                                                   split_strides)
+                                                   split_min_tiles, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
@@ -307,44 +308,74 @@ def _rope_attention_kernel(
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
-        WB: tl.constexpr = 16, MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
+        USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
-    context's last positions, and the programs whose split holds some of them write those
-    tokens' K and V into the cache first (every row tile of the split the same bytes; a
-    barrier, so the block's own loads see its stores) and read them back like every other
-    key: every split's arithmetic is the separate kernels'."""
-    pdl_enter(USE_PDL)  # first: rollout/pdl.py
+    context's last positions, and the program(s) whose split holds them write their K and V
+    into the cache (every row tile of the split the same bytes). Every split's arithmetic
+    is the separate kernels'.
+
+    Decode: the split holding the new token takes its key and value from registers (the
+    bf16 values it stores) instead of reading them back, so nothing waits for a store:
+    the first key tile's loads (context length, block table, keys and values already in
+    the cache) are issued first, before the PDL wait. None of those is written by the
+    kernel launched right before this one (DecodeModel launches the QKV projection there;
+    rollout/pdl.py). The tree verify writes its new tokens' K and V first and reads them
+    back after a barrier, as the separate kernels do."""
+    if MODE != 0:
+        pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
     prefix = ctx - n_new
-    start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
-
-    # New token j sits at position prefix + j: this split writes those in [start, end).
-    j_lo = tl.maximum(start - prefix, 0)
-    j_hi = tl.minimum(end - prefix, n_new)
-    dd = tl.arange(0, D_PAD)[None, :]
-    for j0 in range(j_lo, j_hi, WB):
-        j = j0 + tl.arange(0, WB)
-        tok_w = (q0 + j).to(tl.int64)
-        j_ok = j < j_hi
+    start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N, MIN_TILES)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    dd = d[None, :]
+    if MODE == 0:
+        k0, v0 = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, start, end, d, d_ok, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+                          BLOCK_N, PAGE)
+        hold = (prefix >= start) & (prefix < end)  # this split holds the new token
+        j_ok = (tl.arange(0, WB) == 0) & hold
+        tok_w = (q0 + 0 * tl.arange(0, WB)).to(tl.int64)
         slot = tl.load(slot_ptr + tok_w * stride_slot, mask=j_ok, other=-1).to(tl.int64)
         pos_w = tl.load(pos_ptr + tok_w * stride_pos, mask=j_ok, other=0).to(tl.int64)
+        pdl_enter(USE_PDL)  # the loads above read no output of the kernel before: docstring
         row_w = qkv_ptr + tok_w * stride_qkv
-        kh = NUM_HEADS + kvh + 0 * j
+        kh = NUM_HEADS + kvh + 0 * tl.arange(0, WB)
         k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
                            stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S, HAS_BIAS)
-        w_ok = (j_ok & (slot >= 0))[:, None] & (dd < HEAD_DIM)
+        w_ok = j_ok[:, None] & (dd < HEAD_DIM)
         vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
         v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
         if HAS_BIAS:
             v_new += tl.load(bias_ptr + vcol + dd, mask=w_ok, other=0.0).to(tl.float32)
-        blk = (slot // PAGE)[:, None]
-        off = (slot % PAGE)[:, None]
-        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=w_ok)
-        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd,
-                 v_new.to(v_ptr.dtype.element_ty), mask=w_ok)
-    tl.debug_barrier()  # the K/V stores before this block's loads of them
+        v_new = v_new.to(v_ptr.dtype.element_ty)
+        # The new token's row of each (the one valid row of k_new / v_new, exactly).
+        # (padding columns are 0 in both; -inf everywhere when the split does not hold the
+        # token, and then never used: _with_new_row)
+        k_row = tl.max(tl.where(j_ok[:, None], k_new.to(tl.float32), float("-inf")), 0).to(k_new.dtype)
+        v_row = tl.max(tl.where(j_ok[:, None], v_new.to(tl.float32), float("-inf")), 0).to(v_new.dtype)
+    else:
+        # New token j sits at position prefix + j: this split writes those in [start, end).
+        j_lo = tl.maximum(start - prefix, 0)
+        j_hi = tl.minimum(end - prefix, n_new)
+        for j0 in range(j_lo, j_hi, WB):
+            j = j0 + tl.arange(0, WB)
+            tok_w = (q0 + j).to(tl.int64)
+            j_ok = j < j_hi
+            slot = tl.load(slot_ptr + tok_w * stride_slot, mask=j_ok, other=-1).to(tl.int64)
+            pos_w = tl.load(pos_ptr + tok_w * stride_pos, mask=j_ok, other=0).to(tl.int64)
+            row_w = qkv_ptr + tok_w * stride_qkv
+            kh = NUM_HEADS + kvh + 0 * j
+            k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
+                               stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S,
+                               HAS_BIAS)
+            _store_kv(k_ptr, v_ptr, row_w, bias_ptr, slot, j_ok, kh, kvh, k_new, dd,
+                      stride_qkv_s, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                      stride_vh, NUM_KV_HEADS, HEAD_DIM, PAGE, S, HAS_BIAS)
+        tl.debug_barrier()  # the K/V stores before this block's loads of them
 
     qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
     q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
@@ -353,16 +384,64 @@ def _rope_attention_kernel(
         q = _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr,
                        head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
                        D_PAD, S, HAS_BIAS)  # 0 past n_new
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
-                            row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
-                            stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
-                            BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
+    if MODE == 0:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        k0, v0 = _with_new_row(k0, v0, k_row, v_row, start, end, prefix, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
+                                     tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):
+            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb,
+                            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+                            BLOCK_N, PAGE)
+            k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
+            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
+                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
+                                         MODE)
+        # The new token's K and V into the cache: read by later launches, not this one.
+        blk = (slot // PAGE)[:, None]
+        off = (slot % PAGE)[:, None]
+        st_ok = w_ok & (slot >= 0)[:, None]
+        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=st_ok)
+        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd, v_new, mask=st_ok)
+    else:
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
+                                row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
+                                stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
+                                scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
     n_merge = _n_merge(n_live, num_splits, MODE, MERGE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
-            stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
+            stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE, MODE)
+
+
+@triton.jit
+def _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N: tl.constexpr):
+    """The key tile k / value tile v at n0 .. n0 + BLOCK_N - 1 with the row at position
+    `prefix` (the decode step's new token, when below `end`) replaced by k_row / v_row."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    new = ((n == prefix) & (n < end))[:, None]
+    return tl.where(new, k_row[None, :], k), tl.where(new, v_row[None, :], v)
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, row_w, bias_ptr, slot, j_ok, kh, kvh, k_new, dd, stride_qkv_s,
+              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+              S: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows k_new and the matching V rows (summed from the QKV planes row_w, + bias) into
+    the cache at `slot` (rows with j_ok and slot >= 0)."""
+    w_ok = (j_ok & (slot >= 0))[:, None] & (dd < HEAD_DIM)
+    vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
+    v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
+    if HAS_BIAS:
+        v_new += tl.load(bias_ptr + vcol + dd, mask=w_ok, other=0.0).to(tl.float32)
+    blk = (slot // PAGE)[:, None]
+    off = (slot % PAGE)[:, None]
+    tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=w_ok)
+    tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd,
+             v_new.to(v_ptr.dtype.element_ty), mask=w_ok)
 
 
 def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] planes
@@ -383,6 +462,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
     with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
     at the context's last positions). The same K/V written and the same output, bit for bit.
+    With PDL, decode loads context_lens, positions, slot_mapping, block_tables and the
+    cached keys/values before it waits for the kernel launched before it: none of them
+    may be that kernel's output (in DecodeModel it is the QKV projection; rollout/pdl.py).
     No q/k norm (Qwen3): the norm's sum of squares is reduced in whatever layout the
     compiler picks for each kernel, and the two kernels' orders differed on the H100
     (session 24), so such models keep the separate kernels (DecodeModel.fused_rope)."""
@@ -441,7 +523,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
-        MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
+        WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
+        num_warps=4, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -8,11 +8,15 @@ small model is a chain of ~250 short kernels (1.5B shape, batch 1: 1.60 ms per s
 against a 0.72 ms HBM roofline, session 3), so the gap between kernels is a large share
 of the step; PDL is the hardware's way to shrink it, inside CUDA graphs too.
 
-Safety: every kernel that takes `USE_PDL` waits before its first load or store (only
-index arithmetic, and the linear kernel's L2 prefetch below, come earlier), and then lets
-its own dependents launch. So nothing a kernel does overlaps its predecessor's work, and
-because every PDL kernel waits for its predecessor to complete, completion is transitive
-along the stream (a kernel never runs ahead of one two launches back). Kernels without
+Safety: every kernel that takes `USE_PDL` waits before its first store, and before its
+first load of anything the kernel launched right before it may have written, and then lets
+its own dependents launch. Only index arithmetic, the linear kernel's L2 prefetch below,
+and the fused decode attention's loads of its inputs and of the keys/values already in the
+cache come earlier (gpu_model._rope_attention_kernel: DecodeModel launches it right after
+the QKV projection, which writes none of them). Because every PDL kernel waits for its
+predecessor to complete, completion is transitive along the stream (a kernel never runs
+ahead of one two launches back), so what such early loads read was written by a kernel
+that has completed. Kernels without
 the flag (cuBLAS, torch ops) are ordinary launches: they start after the previous kernel
 completes, and a PDL kernel after them waits for them to complete (no trigger: the
 implicit one at their end).

@@ -36,7 +36,11 @@ and the merge reads only the live ones (decode, and any mode with the in-kernel 
 _combine_kernel outside decode cannot map its row to a sequence's length, so there every
 split writes its max and sum, as before, but only live ones their partial output, which
 a merge never reads where the sum is 0). The merged result is the same bit for bit: an
-empty split's weight was 0 and its max -inf.
+empty split's weight was 0 and its max -inf. A split holds at least `split_min_tiles()`
+BLOCK_N tiles (4 by default since session 25: at most 256 keys of bf16 per split would
+be ceil(ctx / 64) one-tile splits otherwise), and a context that fits in one split is
+not merged at all: that split writes the output (`_alone`), and _combine_kernel skips
+the row in decode.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -93,40 +97,51 @@ _SPLIT_CHUNK = 16  # splits merged per iteration of the combine kernel
 @triton.jit
 def _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
                   stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh,
-                  n_live, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+                  n_live, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr = 4):
     """The output rows (tok, head) from the live splits' partial outputs, maxima and sums
     (splits 0 .. n_live - 1), merged in split order (the last live split program of a row
-    tile runs this: _finish). Loads bypass L1 (.cg): the other programs' partials were
-    written since this SM last looked."""
+    tile runs this: _finish). The loops run CHUNK splits unrolled: no load of a chunk
+    waits for another's result, so a chunk costs one trip to L2, not one per split (the
+    loop of session 20 took one per split and per pass: 8 at 4 live splits). Every split
+    below n_live wrote its partial output (_finish), so it is read without looking at its
+    sum first; an empty row's weight is 0. Loads bypass L1 (.cg): the other programs'
+    partials were written since this SM last looked."""
     ml = tok * stride_pmt + head * stride_pmh
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, n_live):
-        m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
+    for c in range(0, n_live, CHUNK):
+        for i in tl.static_range(CHUNK):
+            ok = row_ok & (c + i < n_live)
+            m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + c + i, mask=ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_tot = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     po_rows = po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh + d[None, :]
-    for s in range(0, n_live):
-        m = tl.load(pm_ptr + ml + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(pl_ptr + ml + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-        live = row_ok & (l > 0)  # an empty split (no keys) has l = 0
-        w = tl.where(live, tl.exp2(m - m_max), 0.0)
-        part = tl.load(po_rows + s * stride_pos, mask=live[:, None] & d_ok[None, :], other=0.0,
-                       cache_modifier=".cg")
-        l_tot += w * l
-        o += w[:, None] * part
+    for c in range(0, n_live, CHUNK):
+        for i in tl.static_range(CHUNK):
+            s = c + i
+            ok = row_ok & (s < n_live)
+            m = tl.load(pm_ptr + ml + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            l = tl.load(pl_ptr + ml + s, mask=ok, other=0.0, cache_modifier=".cg")
+            part = tl.load(po_rows + s * stride_pos, mask=ok[:, None] & d_ok[None, :], other=0.0,
+                           cache_modifier=".cg")
+            w = tl.where(ok & (l > 0), tl.exp2(m - m_max), 0.0)  # an empty row or split: 0
+            l_tot += w * l
+            o += w[:, None] * part
     out = o / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
+def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """This split's share [start, end) of a context of `ctx` keys, and how many splits hold
-    keys ("live"): chunks of a multiple of BLOCK_N sized from the sequence's own length, so
-    the grid is static while lengths vary; the splits past the live ones are empty."""
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    keys ("live"): chunks of a multiple of BLOCK_N, at least MIN_TILES of them
+    (split_min_tiles), sized from the sequence's own length, so the grid is static while
+    lengths vary; the splits past the live ones are empty."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N,
+                           MIN_TILES * BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
     n_live = tl.maximum(tl.cdiv(ctx, per_split), 1)
@@ -171,6 +186,51 @@ def _n_merge(n_live, num_splits, MODE: tl.constexpr, MERGE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
+             stride_vb, stride_vs, stride_vh, stride_btb,
+             BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Keys and values n0 .. n0 + BLOCK_N - 1 of sequence b's KV head kvh ([BLOCK_N, D_PAD]
+    each; 0 from `end` on)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    in_page = (n % PAGE).to(tl.int64)
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
+                + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
+                + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr, b, stride_tmb,
+                 stride_tmi, scale_log2, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+    """One step of the online softmax: rows q over the keys k / values v at n0 .. n0 +
+    BLOCK_N - 1 (those below `end`, and those the mode lets each row see)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+    vis = row_ok[:, None] & n_ok[None, :]
+    if MODE == 1:
+        vis = vis & (n[None, :] <= prefix + qi[:, None])
+    if MODE == 2:
+        j = n - prefix
+        is_new = j >= 0
+        tm = tl.load(tm_ptr + b * stride_tmb + qi[:, None] * stride_tmi + j[None, :],
+                     mask=vis & is_new[None, :], other=0)
+        vis = vis & ((j[None, :] < 0) | (tm != 0))
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row_ok, d, d_ok,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
             stride_tmb, stride_tmi, scale_log2,
@@ -182,33 +242,10 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        in_page = (n % PAGE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + (page * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        vis = row_ok[:, None] & n_ok[None, :]
-        if MODE == 1:
-            vis = vis & (n[None, :] <= prefix + qi[:, None])
-        if MODE == 2:
-            j = n - prefix
-            is_new = j >= 0
-            tm = tl.load(tm_ptr + b * stride_tmb + qi[:, None] * stride_tmi + j[None, :],
-                         mask=vis & is_new[None, :], other=0)
-            vis = vis & ((j[None, :] < 0) | (tm != 0))
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
+                        stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
+                                     b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
     return m_i, l_i, acc
 
 
@@ -217,37 +254,71 @@ def _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row
             b, kvh, tile, split, n_live, n_merge, num_splits,
             stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
             BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
-            MERGE: tl.constexpr):
+            MERGE: tl.constexpr, MODE: tl.constexpr):
     """Without split-K, the normalised output. With it, the splits the merge reads (split <
     n_merge: the live ones, or every split for a _combine_kernel that cannot tell) write
     their max and sum, and the live ones (split < n_live) their partial output too (a merge
     never reads an empty split's: its sum is 0); with MERGE the last live split of the row
-    tile to finish merges them."""
+    tile to finish merges them. A context that fits in one split needs no merge: its split
+    writes the output (_alone)."""
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        _store_out(acc, l_i, o_ptr, tok, head, row_ok, d, d_ok, stride_ot, stride_oh)
     elif split < n_merge:
-        if split < n_live:
-            tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
-                     + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        ml = tok * stride_pmt + head * stride_pmh + split
-        tl.store(pm_ptr + ml, m_i, mask=row_ok)
-        tl.store(pl_ptr + ml, l_i, mask=row_ok)
-        if MERGE:
-            # Count this split in; the last of the row tile's live splits to finish merges
-            # them (one launch fewer than _combine_kernel) and sets the counter back to 0
-            # for the next launch or graph replay. The barrier puts every thread's partial
-            # stores before the counting thread's release; the acquire orders the merge's
-            # loads.
-            tl.debug_barrier()
-            n_tiles = tl.num_programs(2) // num_splits
-            lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
-            if tl.atomic_add(lock, 1, sem="acq_rel") == n_merge - 1:
-                tl.atomic_xchg(lock, 0, sem="relaxed")
-                _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
-                              stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
-                              stride_ot, stride_oh, n_merge, BLOCK_M, D_PAD)
+        if _alone(n_live, MODE, MERGE):  # one live split: it holds the whole context
+            _store_out(acc, l_i, o_ptr, tok, head, row_ok, d, d_ok, stride_ot, stride_oh)
+        else:
+            _finish_split(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok,
+                          d, d_ok, b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot,
+                          stride_oh, stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+                          BLOCK_M, D_PAD, MERGE)
+
+
+@triton.jit
+def _store_out(acc, l_i, o_ptr, tok, head, row_ok, d, d_ok, stride_ot, stride_oh):
+    """The normalised output rows (tok, head)."""
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _alone(n_live, MODE: tl.constexpr, MERGE: tl.constexpr):
+    """Whether the one live split writes the output itself (no partials, no merge): when
+    the context fits in one split, in decode (_combine_kernel skips such rows) or with
+    the in-kernel merge; never for a _combine_kernel outside decode, which merges every
+    split of every row."""
+    one = n_live == 1
+    if MODE != 0 and not MERGE:
+        one = n_live < 0
+    return one
+
+
+@triton.jit
+def _finish_split(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d,
+                  d_ok, b, kvh, tile, split, n_live, n_merge, num_splits,
+                  stride_ot, stride_oh, stride_pot, stride_poh, stride_pos, stride_pmt,
+                  stride_pmh, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MERGE: tl.constexpr):
+    """_finish for a split whose partials a merge reads."""
+    if split < n_live:
+        tl.store(po_ptr + tok[:, None] * stride_pot + head[:, None] * stride_poh
+                 + split * stride_pos + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    ml = tok * stride_pmt + head * stride_pmh + split
+    tl.store(pm_ptr + ml, m_i, mask=row_ok)
+    tl.store(pl_ptr + ml, l_i, mask=row_ok)
+    if MERGE:
+        # Count this split in; the last of the row tile's live splits to finish merges
+        # them (one launch fewer than _combine_kernel) and sets the counter back to 0
+        # for the next launch or graph replay. The barrier puts every thread's partial
+        # stores before the counting thread's release; the acquire orders the merge's
+        # loads.
+        tl.debug_barrier()
+        n_tiles = tl.num_programs(2) // num_splits
+        lock = lk_ptr + (b * tl.num_programs(1) + kvh) * n_tiles + tile
+        if tl.atomic_add(lock, 1, sem="acq_rel") == n_merge - 1:
+            tl.atomic_xchg(lock, 0, sem="relaxed")
+            _merge_splits(po_ptr, pm_ptr, pl_ptr, o_ptr, tok, head, row_ok, d, d_ok,
+                          stride_pot, stride_poh, stride_pos, stride_pmt, stride_pmh,
+                          stride_ot, stride_oh, n_merge, BLOCK_M, D_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -265,7 +336,7 @@ def _paged_attention_kernel(
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         SPLIT: tl.constexpr, MODE: tl.constexpr, MERGE: tl.constexpr = False,
-        USE_PDL: tl.constexpr = False):
+        MIN_TILES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
     prefix = ctx - n_new
@@ -275,7 +346,7 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N)
+    start, end, n_live = _split_range(ctx, split, num_splits, BLOCK_N, MIN_TILES)
     n_merge = _n_merge(n_live, num_splits, MODE, MERGE)
     if MODE == 1:
         # Causal: no row of this tile sees past prefix + its last query index.
@@ -288,7 +359,7 @@ def _paged_attention_kernel(
                             BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
-            stride_poh, stride_pos, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE)
+            stride_poh, stride_pos, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE, MODE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -297,14 +368,25 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, ctx_ptr,
                     stride_ot, stride_oh, stride_ctx, num_splits,
                     S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr = 64, DECODE: tl.constexpr = False,
-                    USE_PDL: tl.constexpr = False):
+                    MIN_TILES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_live = num_splits
     if DECODE:  # row t is sequence t: only its live splits wrote (_finish)
         ctx = tl.load(ctx_ptr + t * stride_ctx).to(tl.int32)
-        _, _, n_live = _split_range(ctx, 0, num_splits, BLOCK_N)
+        _, _, n_live = _split_range(ctx, 0, num_splits, BLOCK_N, MIN_TILES)
+    if n_live > 1:  # else the one live split wrote the row (_alone)
+        _combine_row(po_ptr, pm_ptr, pl_ptr, o_ptr, t, h, n_live, stride_pot, stride_poh,
+                     stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh, S_CHUNK, HEAD_DIM,
+                     D_PAD)
+
+
+@triton.jit
+def _combine_row(po_ptr, pm_ptr, pl_ptr, o_ptr, t, h, n_live, stride_pot, stride_poh,
+                 stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh,
+                 S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """_combine_kernel's merge of row t, head h: splits 0 .. n_live - 1."""
     ml = t * stride_pmt + h * stride_pmh
     m_run = tl.full([S_CHUNK], float("-inf"), tl.float32)
     for c in range(0, n_live, S_CHUNK):
@@ -348,6 +430,15 @@ and the batch-1 verify-forward graph (Q = 5, random weights) 1.767 ms against 1.
 with every session 18-19 kernel off. Those timings predate the live-split merge, which
 loops over the live splits only instead of all of them (4 instead of 64 at batch 1 with a
 short context): bench rollout --compare-merge times the two again."""
+SPLIT_MIN_ENV = "MEGATRON_TLT_SPLIT_MIN_TILES"
+_MIN_TILES = int(os.environ.get(SPLIT_MIN_ENV, "4"))
+"""The fewest BLOCK_N key tiles a live split holds (read at import; set_split_min_tiles).
+A split of one tile costs its program a partial write and the row a merge (an atomic
+and a read-back, or _combine_kernel's launch) to save the other programs a few pipelined
+tile loads; with at least 4 tiles (256 keys in bf16) a context of up to 256 keys is one
+split that writes its output itself (_alone), so decode at short contexts takes no merge,
+and longer contexts still spread over up to `num_splits` programs. 1: every tile may be
+its own split (the rule before session 25)."""
 MAX_MERGE_TILES = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
 
@@ -363,6 +454,22 @@ def set_merge_in_kernel(flag: bool) -> bool:
     previous one. Captured CUDA graphs keep the choice they were captured with."""
     global _MERGE
     prev, _MERGE = _MERGE, bool(flag)
+    return prev
+
+
+def split_min_tiles() -> int:
+    """The fewest key tiles of a live split (MEGATRON_TLT_SPLIT_MIN_TILES, default 4)."""
+    return _MIN_TILES
+
+
+def set_split_min_tiles(n: int) -> int:
+    """Set the process's minimum (A/B benchmarks: bench rollout --compare-split-min);
+    returns the previous one. Captured CUDA graphs keep the value they were captured with,
+    and choose_num_splits takes it into account: release and recapture after a change."""
+    global _MIN_TILES
+    if int(n) < 1:
+        raise ValueError(f"set_split_min_tiles: need at least 1 tile, got {n}")
+    prev, _MIN_TILES = _MIN_TILES, int(n)
     return prev
 
 
@@ -402,12 +509,15 @@ def num_sms(device: torch.device | str) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
-                      block_n: int = 64, row_tiles: int = 1, max_splits: int = 64) -> int:
+                      block_n: int = 64, row_tiles: int = 1, max_splits: int = 64,
+                      min_tiles: int | None = None) -> int:
     """Splits so that about two programs per SM exist, never more than the context has
-    BLOCK_N tiles (a static choice: per-sequence chunk sizes are computed in the kernel)."""
+    splits of `min_tiles` BLOCK_N tiles (split_min_tiles() by default; a static choice:
+    per-sequence chunk sizes are computed in the kernel)."""
+    min_tiles = split_min_tiles() if min_tiles is None else max(1, int(min_tiles))
     programs = max(1, num_seqs * num_kv_heads * row_tiles)
     want = -(-2 * sms // programs)
-    tiles = max(1, -(-max_context // block_n))
+    tiles = max(1, -(-max_context // (block_n * min_tiles)))
     return max(1, min(want, tiles, max_splits))
 
 
@@ -450,7 +560,7 @@ def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool)
         po, pm, pl, out, context_lens, po.stride(0), po.stride(1), po.stride(2),
         pm.stride(0), pm.stride(1), out.stride(0), out.stride(1), context_lens.stride(0),
         s, S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=d, D_PAD=max(16, _next_pow2(d)), BLOCK_N=block_n,
-        DECODE=decode, num_warps=4, **pdl.kwargs())
+        DECODE=decode, MIN_TILES=_MIN_TILES, num_warps=4, **pdl.kwargs())
 
 
 def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
@@ -531,7 +641,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, num_warps=4, num_stages=2, **pdl.kwargs())
+        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES, num_warps=4,
+        num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

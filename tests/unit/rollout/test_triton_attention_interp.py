@@ -34,6 +34,15 @@ from megatron_tlt.rollout.triton_attention import TritonPagedAttention, paged_at
 TOL = 2e-6  # float32: max |out - ref| / max |ref|
 
 
+@pytest.fixture
+def one_tile_splits(monkeypatch):
+    """Splits of a single key tile (MEGATRON_TLT_SPLIT_MIN_TILES=1): these tiny contexts
+    then spread over several live splits, whose partials a merge combines (with the
+    default 4-tile splits each of them would be one split)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MIN_TILES", 1)
+
+
 def tree_mask(q: int, g: torch.Generator) -> torch.Tensor:
     """[Q, Q] ancestor-or-self mask of a random tree whose node i has a parent < i."""
     parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, q)]
@@ -78,7 +87,7 @@ CASES = [  # (name, ctx_lens, n_new, kwargs)
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name,ctx,n_new,kw", CASES, ids=[c[0] for c in CASES])
-def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits):
+def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits, one_tile_splits):
     q, k, v, meta = paged_case(ctx, n_new, **kw)
     ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
     scale = q.shape[-1] ** -0.5
@@ -93,7 +102,7 @@ def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits):
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
-def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch):
+def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch, one_tile_splits):
     """Split-K partials merged by the last split program of each row tile (the default) or
     by _combine_kernel (MEGATRON_TLT_FUSED_COMBINE=0): both the reference's output, and
     the counters are back at 0 after every launch (a graph replay finds them so)."""
@@ -110,16 +119,10 @@ def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch):
     assert not ta.merge_counters(torch.device("cpu")).any()
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
-def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch):
-    """Split-K partial buffers filled with NaN before each launch: splits without keys
-    write nothing in decode (or only their max and sum, outside decode with
-    _combine_kernel), and no merge reads an entry nobody wrote, so the outputs still match
-    the reference; decode with 1 and 40 splits for a 1-key context agree bit for bit.
-    Control: _combine_kernel told to read every split (decode=False) over a decode
-    launch's partials returns NaN, so the fill would show a read of an unwritten entry."""
+def nan_filled_split_buffers(monkeypatch) -> list:
+    """Split-K partial buffers filled with NaN at every launch; returns the list each
+    launch's (partial outputs, maxima, sums) is appended to."""
     from megatron_tlt.rollout import triton_attention as ta
-    monkeypatch.setattr(ta, "_MERGE", merge)
     real = ta.split_buffers
     seen = []
 
@@ -131,6 +134,21 @@ def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch):
         seen.append((po, pm, pl))
         return po, pm, pl, lk
     monkeypatch.setattr(ta, "split_buffers", nan_filled)
+    return seen
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
+def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch, one_tile_splits):
+    """Split-K partial buffers filled with NaN before each launch: splits without keys
+    write nothing in decode (or only their max and sum, outside decode with
+    _combine_kernel), and no merge reads an entry nobody wrote, so the outputs still match
+    the reference; decode with 1 and 40 splits for a 1-key context agree bit for bit.
+    Control: _combine_kernel told to read every split (decode=False) over a decode
+    launch's partials returns NaN, so the fill would show a read of an unwritten entry (a
+    context of one split writes no partials at all: the control takes two)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MERGE", merge)
+    seen = nan_filled_split_buffers(monkeypatch)
     for name, ctx, n_new, kw in CASES:
         q, k, v, meta = paged_case(ctx, n_new, **kw)
         ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
@@ -145,6 +163,9 @@ def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch):
                                   num_splits=s) for s in (1, 40))
     assert torch.equal(one, forty)
     if not merge:
+        q, k, v, meta = paged_case([40, 40], [1, 1])  # 2 live one-tile splits of 40
+        forty = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25,
+                                num_splits=40)
         po, pm, pl = seen[-1]
         again = torch.empty_like(forty)
         ta.combine_splits(po, pm, pl, again, meta.context_lens, block_n=ta.block_n_for(q.dtype),
@@ -152,7 +173,7 @@ def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch):
         assert again.isnan().all()
 
 
-def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch):
+def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch, one_tile_splits):
     """Negative control: a counter not back at 0 merges a tile before its last split has
     written (the result misses that split's keys)."""
     from megatron_tlt.rollout import triton_attention as ta
@@ -167,6 +188,50 @@ def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch):
         lk.zero_()
     assert rel_err(out[:1], ref[:1]) > 1e-2
     assert rel_err(out[1:], ref[1:]) < TOL  # the other tiles merged as usual
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
+def test_a_context_within_one_split_is_not_merged(merge, monkeypatch):
+    """Default 4-tile splits (128 keys in float32): contexts of up to 128 keys are one live
+    split, which writes the output itself: == num_splits=1 bit for bit in every mode; in
+    decode (and in every mode with the in-kernel merge) the NaN-filled partial buffers stay
+    NaN (nothing written, _combine_kernel skips the rows) and no merge counter moves. A
+    300-key context still splits (3 live splits of 128) and matches the reference.
+    Control: with one-tile splits the same decode launch writes partials."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MERGE", merge)
+    assert ta.split_min_tiles() == 4
+    seen = nan_filled_split_buffers(monkeypatch)
+    for name, ctx, n_new, kw in CASES:
+        q, k, v, meta = paged_case([min(c + 60, 128) for c in ctx], n_new, **kw)
+        extra = {} if name.startswith("decode") else dict(
+            query_start=meta.query_start, max_query_len=max(n_new), tree_mask=meta.tree_mask)
+        one, eight = (paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25,
+                                      num_splits=s, **extra) for s in (1, 8))
+        assert torch.equal(one, eight), name
+        if name.startswith("decode") or merge:
+            assert all(x.isnan().all() for x in seen[-1]), name
+    assert not ta.merge_counters(torch.device("cpu")).any()
+    q, k, v, meta = paged_case([300, 40], [1, 1])
+    ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+    out = paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=8)
+    assert rel_err(out, ref) < TOL
+    _, pm, _ = seen[-1]
+    assert not pm[0, :, :3].isnan().any() and pm[0, :, 3:].isnan().all()  # 3 live splits
+    assert pm[1].isnan().all()  # 40 keys: one split, no partials
+    monkeypatch.setattr(ta, "_MIN_TILES", 1)
+    paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=8)
+    assert not seen[-1][1][1, :, :2].isnan().any()  # 40 keys: 2 one-tile (32-key) splits
+
+
+def test_choose_num_splits_counts_min_tile_splits():
+    from megatron_tlt.rollout.triton_attention import choose_num_splits
+    kw = dict(sms=132, block_n=64)
+    assert choose_num_splits(1, 2, 256, min_tiles=4, **kw) == 1
+    assert choose_num_splits(1, 2, 256, min_tiles=1, **kw) == 4
+    assert choose_num_splits(1, 2, 288, **kw) == 2  # default 4 tiles: 256 keys per split
+    assert choose_num_splits(1, 2, 32768, min_tiles=4, **kw) == 64
+    assert choose_num_splits(64, 2, 32768, min_tiles=4, **kw) == 3
 
 
 def test_paged_attention_negative_controls():
