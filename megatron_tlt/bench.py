@@ -110,6 +110,10 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with split-K attention splits of single key tiles "
                         "(MEGATRON_TLT_SPLIT_MIN_TILES=1) against the default 4-tile minimum "
                         "(or 4 when the process runs with another; graphs recaptured)")
+    p.add_argument("--compare-preload", type=float, default=None, metavar="KB",
+                   help="with PDL on, also time decode with projection programs loading up to KB "
+                        "kilobytes of their first weight tiles before the PDL wait "
+                        "(MEGATRON_TLT_PDL_PRELOAD_KB=KB; graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -415,6 +419,7 @@ _VARIANTS = {  # row key of an A/B timing -> its column title
     "decode_ms_fused_rope": "fused_rope_ms", "decode_ms_separate_rope": "separate_rope_ms",
     "decode_ms_merge_in_kernel": "merge_in_kernel_ms",
     "decode_ms_combine_kernel": "combine_kernel_ms", "decode_ms_split_min": "split_min_ms",
+    "decode_ms_preload": "preload_ms",
     "decode_ms_cublas": "cublas_ms"}
 
 
@@ -574,6 +579,26 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         runner.release()
         for row in rows:
             row["split_min_tiles"], row["split_min_tiles_variant"] = cur, other
+    if args.compare_preload is not None and runner is not None and plan.graphs:
+        from megatron_tlt.rollout import pdl
+        if not runner.model.pdl:
+            log(f"[{name}] --compare-preload: decode runs without PDL (MEGATRON_TLT_PDL=1), skipped")
+        else:
+            prev = os.environ.get(pdl.PRELOAD_ENV)
+            os.environ[pdl.PRELOAD_ENV] = str(args.compare_preload)
+            runner.release()
+            try:
+                _retime(engine, rows, prompts, args, "decode_ms_preload", "preload",
+                        f"{args.compare_preload:g} KB of weight tiles loaded before the PDL wait",
+                        name, log)
+            finally:
+                if prev is None:
+                    os.environ.pop(pdl.PRELOAD_ENV, None)
+                else:
+                    os.environ[pdl.PRELOAD_ENV] = prev
+                runner.release()
+            for row in rows:
+                row["preload_kb"] = args.compare_preload
     if args.compare_cublas and runner is not None and plan.graphs:
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
@@ -719,6 +744,7 @@ def main(args: argparse.Namespace) -> int:
                      "compare_fused_rope": opts.compare_fused_rope,
                      "compare_merge": opts.compare_merge,
                      "compare_split_min": opts.compare_split_min,
+                     "compare_preload_kb": opts.compare_preload,
                      "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
@@ -744,6 +770,9 @@ def main(args: argparse.Namespace) -> int:
             "decode_ms_split_min": "decode_ms with the split-K attention's minimum key tiles "
                                    "per split switched (--compare-split-min: "
                                    "split_min_tiles_variant against split_min_tiles)",
+            "decode_ms_preload": "decode_ms (with PDL) with up to preload_kb KB of each projection "
+                                 "program's weight tiles loaded before its PDL wait "
+                                 "(--compare-preload)",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate",
         },

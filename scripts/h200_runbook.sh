@@ -35,8 +35,8 @@
 #             KERNEL_PARTS=tests (or profile) runs one half
 #   pdl       programmatic dependent launch (opt-in, MEGATRON_TLT_PDL=1) with the 32 MB L2
 #             prefetch through the speculative GPU tests first (what making it the default
-#             waits for), then tests/gpu/test_engine_gpu.py, then bench rollout --compare-pdl
-#             (random weights, no target needed; a 600 s call). The spec stage under
+#             waits for), then tests/gpu/test_engine_gpu.py, then bench rollout with PDL
+#             --compare-pdl --compare-preload 64 (random weights, no target needed; a 600 s call). The spec stage under
 #             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
 #   fusions   RoPE folded into the attention kernel of decode and verify (MEGATRON_TLT_FUSED_ROPE,
 #             on by default since session 24) and the live-split in-kernel merge
@@ -154,20 +154,22 @@ case "$STAGE" in
     # What making PDL the default waits for: the speculative GPU tests with it on, first
     # (session 24 cut them at 11 passed, 0 failed, compiling the PDL variants; the engine
     # tests passed with it there), then the engine tests the same session ran, then one
-    # bench rollout with the 32 MB prefetch against PDL off (--compare-pdl).
+    # bench rollout with PDL against PDL off (--compare-pdl) and against PDL with 64 KB of
+    # weight tiles preloaded before the wait (--compare-preload 64).
     MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 250)" $PY -m pytest -q \
         -p no:cacheprovider tests/gpu/test_spec_gpu.py tests/gpu/test_eagle_graph_gpu.py \
         tests/gpu/test_eagle_tree_graph_gpu.py > "$RESULTS/gpu_tests_pdl1_spec.log" 2>&1
     echo "[runbook] pdl spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_pdl1_spec.log"
-    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 100)" $PY -m pytest -q \
+    MEGATRON_TLT_PDL=1 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 130)" $PY -m pytest -q \
         -p no:cacheprovider tests/gpu/test_engine_gpu.py > "$RESULTS/gpu_tests_pdl1_engine.log" 2>&1
     echo "[runbook] pdl engine tests: rc=$? at $(( $(date +%s) - t0 )) s"
     tail -n 4 "$RESULTS/gpu_tests_pdl1_engine.log"
     if [ "$(left)" -gt 60 ]; then
-      MEGATRON_TLT_PDL=0 MEGATRON_TLT_PDL_PREFETCH_MB=32 timeout "$(upto 5)" $PY -m megatron_tlt \
-          bench rollout --json "$RESULTS/bench_rollout_pdl_prefetch32.json" --shapes 1.5b,7b \
-          --batch-sizes 1,8,32 --no-hf --compare-pdl 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+      # PDL on (no L2 prefetch) against off, and against PDL with 64 KB weight preload
+      MEGATRON_TLT_PDL=1 timeout "$(upto 5)" $PY -m megatron_tlt \
+          bench rollout --json "$RESULTS/bench_rollout_pdl_preload.json" --shapes 1.5b,7b \
+          --batch-sizes 1,8,32 --no-hf --compare-pdl --compare-preload 64 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
       echo "[runbook] pdl bench: rc=$? at $(( $(date +%s) - t0 )) s"
     fi ;;
   fusions)

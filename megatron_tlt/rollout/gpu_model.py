@@ -625,7 +625,8 @@ class DecodeModel:
     @torch.no_grad()
     def forward(self, *args, **kwargs) -> torch.Tensor:
         """`_forward` (below) with this model's kernels launched as `self.pdl` says."""
-        with pdl.launches(self.pdl, pdl.prefetch_bytes() if self.pdl else 0):
+        on = self.pdl
+        with pdl.launches(on, pdl.prefetch_bytes() if on else 0, pdl.preload_bytes() if on else 0):
             return self._forward(*args, **kwargs)
 
     def _forward(self,

@@ -29,6 +29,12 @@ of coherence), so it cannot change a result. Opt-in until timed on a GPU:
 MEGATRON_TLT_PDL_PREFETCH_MB=32 prefetches for projections of at most 32 MB of weights
 (so the slabs asked for early fit in L2 beside the running kernel's); 0, the default, off.
 
+Weight preload: MEGATRON_TLT_PDL_PRELOAD_KB=N (opt-in, default 0, untimed) goes further: a
+projection program loads the first of its weight tiles, up to 4 and N KB, into registers
+before the wait (triton_linear._linear_kernel's PRE_T), then runs the same products in
+the same order as without (same bits), the first ones on those registers. Weights are
+written only outside a forward, so a load before the wait reads what one after it would.
+
 Opt-in (MEGATRON_TLT_PDL=1, devices of compute capability 9.0 or later) until the whole
 GPU suite has run with it on: on the H200 (session 23, random weights) it took the decode
 step from 1.541 to 1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the
@@ -49,9 +55,11 @@ import os
 
 PDL_ENV = "MEGATRON_TLT_PDL"
 PREFETCH_ENV = "MEGATRON_TLT_PDL_PREFETCH_MB"
+PRELOAD_ENV = "MEGATRON_TLT_PDL_PRELOAD_KB"
 
 _active = False
 _prefetch = 0  # the innermost `launches` context's prefetch limit (bytes)
+_preload = 0  # the innermost `launches` context's preload limit (bytes per program)
 
 
 def requested() -> bool:
@@ -62,12 +70,22 @@ def requested() -> bool:
 def prefetch_bytes() -> int:
     """The largest projection (weight bytes) whose kernel prefetches its slab into L2 before
     its PDL wait: MEGATRON_TLT_PDL_PREFETCH_MB (default 0: off)."""
-    mb = os.environ.get(PREFETCH_ENV, "0")
+    return _env_bytes(PREFETCH_ENV, "megabytes", 2 ** 20)
+
+
+def preload_bytes() -> int:
+    """The most weight bytes per program a projection kernel loads into registers before
+    its PDL wait: MEGATRON_TLT_PDL_PRELOAD_KB (default 0: off)."""
+    return _env_bytes(PRELOAD_ENV, "kilobytes", 1024)
+
+
+def _env_bytes(name: str, unit: str, scale: int) -> int:
+    raw = os.environ.get(name, "0")
     try:
-        value = float(mb)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{PREFETCH_ENV}={mb!r}: expected a number of megabytes") from None
-    return int(value * 2 ** 20)
+        raise ValueError(f"{name}={raw!r}: expected a number of {unit}") from None
+    return int(value * scale)
 
 
 def supported(device) -> bool:
@@ -78,17 +96,20 @@ def supported(device) -> bool:
 
 
 @contextlib.contextmanager
-def launches(flag: bool, prefetch: int = 0):
-    """Kernels launched inside take PDL when `flag`, and projections of at most `prefetch`
-    weight bytes prefetch their slab (read once per context, not per launch: a forward
-    passes `prefetch_bytes()`); both restored on exit, nesting allowed."""
-    global _active, _prefetch
-    prev = _active, _prefetch
-    _active, _prefetch = bool(flag), int(prefetch) if flag else 0
+def launches(flag: bool, prefetch: int = 0, preload: int = 0):
+    """Kernels launched inside take PDL when `flag`, projections of at most `prefetch`
+    weight bytes prefetch their slab, and projection programs whose first key tiles of
+    weights fit in `preload` bytes load them before the wait (read once per context, not
+    per launch: a forward passes `prefetch_bytes()`, `preload_bytes()`); all restored on
+    exit, nesting allowed."""
+    global _active, _prefetch, _preload
+    prev = _active, _prefetch, _preload
+    _active = bool(flag)
+    _prefetch, _preload = (int(prefetch), int(preload)) if flag else (0, 0)
     try:
         yield
     finally:
-        _active, _prefetch = prev
+        _active, _prefetch, _preload = prev
 
 
 def active() -> bool:
@@ -98,6 +119,11 @@ def active() -> bool:
 def prefetch_limit() -> int:
     """The innermost `launches` context's prefetch limit in bytes (0 outside PDL)."""
     return _prefetch
+
+
+def preload_limit() -> int:
+    """The innermost `launches` context's preload limit in bytes per program (0 outside PDL)."""
+    return _preload
 
 
 def kwargs() -> dict:

@@ -118,13 +118,44 @@ def _prefetch_slab(w_ptr, rn, N, stride_wn, k_lo, k_hi, LINE: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] of columns k0 .. (0 from k_hi on)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr,
+            stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m,
+            BLOCK_K: tl.constexpr, DOT: tl.constexpr, S_IN: tl.constexpr, PRO: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """acc plus the weight tile w (columns k0 ..) times its input tile: a tl.dot into
+    acc [BLOCK_M, BLOCK_N] (dot configs), or products into acc [BLOCK_N, BLOCK_K] (fma)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    k_ok = rk < k_hi
+    if DOT:
+        x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                    rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:  # BLOCK_M == 1: plain x, or the prologue's [1, BLOCK_K] tile
+        if PRO == 0:
+            x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                        rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
+                        HAS_BIAS).to(tl.float32)
+        acc += w.to(tl.float32) * x
+    return acc
+
+
+@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
                    k_split, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   LINE: tl.constexpr = 64):
+                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0):
     # Row tiles vary fastest: the programs that share a weight slab run side by side, so
     # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
     # and from L2 after (with one row tile the launch order is the (n, split) order).
@@ -134,13 +165,23 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    n_ok = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # only with USE_PDL, and only here: before the wait (rollout/pdl.py)
         _prefetch_slab(w_ptr, rn, N, stride_wn, k_lo, k_hi, LINE)
-    pdl_enter(USE_PDL)  # the first load or store: rollout/pdl.py
+    # The first PRE_T weight tiles into registers before the wait (rollout/pdl.py: weights
+    # are not written during a forward); used below in the loop's order.
+    if PRE_T >= 1:
+        w0 = _w_tile(w_rows, n_ok, k_lo, k_hi, BLOCK_K)
+    if PRE_T >= 2:
+        w1 = _w_tile(w_rows, n_ok, k_lo + BLOCK_K, k_hi, BLOCK_K)
+    if PRE_T >= 3:
+        w2 = _w_tile(w_rows, n_ok, k_lo + 2 * BLOCK_K, k_hi, BLOCK_K)
+    if PRE_T >= 4:
+        w3 = _w_tile(w_rows, n_ok, k_lo + 3 * BLOCK_K, k_hi, BLOCK_K)
+    pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store: rollout/pdl.py
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
     m_ok = rm < M
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 2:  # the whole row's mean square first (every program: the rows are short)
         ss = tl.zeros([BLOCK_M], tl.float32)
@@ -153,27 +194,34 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     write_res = pid_n == 0
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < k_hi
-            x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
-                        rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
-            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # BLOCK_M == 1: plain x, or the prologue's [1, BLOCK_K] tile
-        prod = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < k_hi
-            if PRO == 0:
-                x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            else:
-                x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
-                            rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
-                            HAS_BIAS).to(tl.float32)
-            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            prod += w.to(tl.float32) * x
-        acc = tl.sum(prod, 1)[None, :]  # [1, BLOCK_N]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products, reduced once at the end
+    if PRE_T >= 1:
+        acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
+                      nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K,
+                      DOT, S_IN, PRO, HAS_BIAS)
+    if PRE_T >= 2:
+        if k_lo + BLOCK_K < k_hi:  # a split may hold fewer tiles: the loop's steps exactly
+            acc = _k_step(acc, w1, k_lo + BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
+                          r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
+                          w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
+    if PRE_T >= 3:
+        if k_lo + 2 * BLOCK_K < k_hi:
+            acc = _k_step(acc, w2, k_lo + 2 * BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
+                          r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
+                          w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
+    if PRE_T >= 4:
+        if k_lo + 3 * BLOCK_K < k_hi:
+            acc = _k_step(acc, w3, k_lo + 3 * BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
+                          r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
+                          w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
+    for k0 in range(k_lo + PRE_T * BLOCK_K, k_hi, BLOCK_K):
+        w = _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K)
+        acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
+                      nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT,
+                      S_IN, PRO, HAS_BIAS)
+    if not DOT:
+        acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
     if ROUND:  # the model dtype's rounding of the product, stored in a wider output
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     out = out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :]
@@ -245,7 +293,18 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
                          PREFETCH=weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
                          LINE=max(1, 128 // weight.element_size()),
+                         PRE_T=preload_tiles(cfg, k_split, weight.element_size()),
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
+
+
+def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
+    """Weight tiles a program loads before its PDL wait: as many of its split's tiles as
+    fit pdl.preload_limit() bytes, at most 4 (0 outside PDL or with the limit 0)."""
+    limit = pdl.preload_limit()
+    if limit <= 0:
+        return 0
+    block_n = cfg.block_n
+    return max(0, min(4, -(-k_split // cfg.block_k), limit // (block_n * cfg.block_k * elt)))
 
 
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)

@@ -47,3 +47,23 @@ def test_prefetch_limit_from_the_environment(monkeypatch):
     monkeypatch.setenv(pdl.PREFETCH_ENV, "lots")
     with pytest.raises(ValueError, match=pdl.PREFETCH_ENV):
         pdl.prefetch_bytes()
+
+
+def test_preload_limit_from_the_environment_and_only_inside_pdl(monkeypatch):
+    """MEGATRON_TLT_PDL_PRELOAD_KB: off (0) unless set, kilobytes otherwise, anything else a
+    clear error; a `launches` context hands the limit to the kernels only with PDL on, and
+    restores the outer one on exit."""
+    monkeypatch.delenv(pdl.PRELOAD_ENV, raising=False)
+    assert pdl.preload_bytes() == 0
+    monkeypatch.setenv(pdl.PRELOAD_ENV, "64")
+    assert pdl.preload_bytes() == 64 * 1024
+    monkeypatch.setenv(pdl.PRELOAD_ENV, "many")
+    with pytest.raises(ValueError, match=pdl.PRELOAD_ENV):
+        pdl.preload_bytes()
+    assert pdl.preload_limit() == 0
+    with pdl.launches(True, 0, 4096):
+        assert pdl.preload_limit() == 4096
+        with pdl.launches(False, 0, 4096):
+            assert pdl.preload_limit() == 0
+        assert pdl.preload_limit() == 4096
+    assert pdl.preload_limit() == 0
