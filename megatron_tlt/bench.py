@@ -96,7 +96,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with every projection on cuBLAS (graphs recaptured)")
     p.add_argument("--compare-pdl", action="store_true",
                    help="also time decode with programmatic dependent launch of the Triton kernels "
-                        "switched the other way (MEGATRON_TLT_PDL=1 turns it on; Hopper or later; "
+                        "switched the other way (on by default on Hopper or later, "
+                        "MEGATRON_TLT_PDL=0 turns it off; "
                         "graphs recaptured)")
     p.add_argument("--compare-fused-rope", action="store_true",
                    help="also time decode with RoPE + the K/V write folded into the attention "
@@ -107,9 +108,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                         "switched the other way (MEGATRON_TLT_FUSED_COMBINE=1 turns it on; graphs "
                         "recaptured)")
     p.add_argument("--compare-split-min", action="store_true",
-                   help="also time decode with split-K attention splits of single key tiles "
-                        "(MEGATRON_TLT_SPLIT_MIN_TILES=1) against the default 4-tile minimum "
-                        "(or 4 when the process runs with another; graphs recaptured)")
+                   help="also time decode with split-K attention splits of at least 4 key "
+                        "tiles (MEGATRON_TLT_SPLIT_MIN_TILES=4) against the default of 1 "
+                        "(or 1 when the process runs with another; graphs recaptured)")
     p.add_argument("--compare-preload", type=float, default=None, metavar="KB",
                    help="with PDL on, also time decode with projection programs loading up to KB "
                         "kilobytes of their first weight tiles before the PDL wait "
@@ -570,7 +571,7 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     if args.compare_split_min and runner is not None and plan.graphs:
         from megatron_tlt.rollout import triton_attention
         cur = triton_attention.split_min_tiles()
-        other = 1 if cur != 1 else 4
+        other = 4 if cur == 1 else 1
         triton_attention.set_split_min_tiles(other)
         runner.release()
         _retime(engine, rows, prompts, args, "decode_ms_split_min", "split_min",
@@ -582,7 +583,8 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     if args.compare_preload is not None and runner is not None and plan.graphs:
         from megatron_tlt.rollout import pdl
         if not runner.model.pdl:
-            log(f"[{name}] --compare-preload: decode runs without PDL (MEGATRON_TLT_PDL=1), skipped")
+            log(f"[{name}] --compare-preload: decode runs without PDL (MEGATRON_TLT_PDL=0 or not "
+                f"Hopper), skipped")
         else:
             prev = os.environ.get(pdl.PRELOAD_ENV)
             os.environ[pdl.PRELOAD_ENV] = str(args.compare_preload)

@@ -202,11 +202,12 @@ case "$STAGE" in
     done ;;
   splits)
     # Session 25: split-K splits of at least 4 key tiles (a context of up to 256 keys is one
-    # split that writes its output, no merge), the unrolled in-kernel merge, and decode
-    # attention taking the new token's K/V from registers (its first key tile loaded before
-    # the PDL wait). The attention kernels' GPU tests first (bit-exact against the separate
-    # kernels, graphs, PDL), then bench rollout with --compare-split-min --compare-merge,
-    # PDL on and off, then the speculative tests (the verify forward's splits changed too).
+    # split that writes its output, no merge; the default was 4 at b6145d7 and is 1 again
+    # since, so --compare-split-min now times 4 against 1), the unrolled in-kernel merge,
+    # and decode attention taking the new token's K/V from registers (its first key tile
+    # loaded before the PDL wait). The attention kernels' GPU tests first (bit-exact against
+    # the separate kernels, graphs, PDL), then bench rollout with --compare-split-min
+    # --compare-merge, PDL on and off, then the speculative tests.
     timeout "$(upto 320)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
         -k "rope or split_merge or decode_kernel or verify or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
         > "$RESULTS/gpu_tests_splits.log" 2>&1

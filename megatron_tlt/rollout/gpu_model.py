@@ -612,8 +612,9 @@ class DecodeModel:
         H100, 1.005-1.024x on an H200 (benchmarks/results/gpu_2026-12-05_session24)."""
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
-        MEGATRON_TLT_PDL=1 on a Hopper GPU; a runner's graphs take the setting they were
-        captured with (release() and recapture after changing it)."""
+        on by default on a Hopper or later GPU (MEGATRON_TLT_PDL=0 turns it off); a runner's
+        graphs take the setting they were captured with (release() and recapture after
+        changing it)."""
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_partials(x, weight, self.planner.config(x, weight))

@@ -29,21 +29,22 @@ of coherence), so it cannot change a result. Opt-in until timed on a GPU:
 MEGATRON_TLT_PDL_PREFETCH_MB=32 prefetches for projections of at most 32 MB of weights
 (so the slabs asked for early fit in L2 beside the running kernel's); 0, the default, off.
 
-Weight preload: MEGATRON_TLT_PDL_PRELOAD_KB=N (opt-in, default 0, untimed) goes further: a
+Weight preload: MEGATRON_TLT_PDL_PRELOAD_KB=N (opt-in, default 0) goes further: a
 projection program loads the first of its weight tiles, up to 4 and N KB, into registers
 before the wait (triton_linear._linear_kernel's PRE_T), then runs the same products in
 the same order as without (same bits), the first ones on those registers. Weights are
 written only outside a forward, so a load before the wait reads what one after it would.
+Timed slower (session 25, H100, `bench rollout --compare-preload 64`): 0.88x-0.99x of
+PDL without it at every shape and batch, so it stays off.
 
-Opt-in (MEGATRON_TLT_PDL=1, devices of compute capability 9.0 or later) until the whole
-GPU suite has run with it on: on the H200 (session 23, random weights) it took the decode
-step from 1.541 to 1.453 ms at batch 1 on the 1.5B shape and from 4.106 to 3.998 ms on the
-7B shape, with the tokens unchanged (`tests/gpu/test_engine_gpu.py::
-test_pdl_decode_equals_plain_decode`), but the speculative paths (verify forward, drafter
-kernels) have not run on a GPU with it. Session 24 (H200, with the 32 MB prefetch): the
-engine's GPU tests other than the kernel grids passed with it (66, verify and sampling
-graphs included); the speculative test files were cut by their time limit at 11 passed,
-0 failed. `DecodeModel.pdl` holds the choice per model.
+On by default on devices of compute capability 9.0 or later since session 25
+(MEGATRON_TLT_PDL=0 turns it off): the whole GPU suite passed with it on an H100 (353
+tests: tests/gpu/test_engine_gpu.py 141, the speculative and EAGLE graph files 63, the
+rest 149; benchmarks/results/gpu_2026-12-06_session25), the tokens unchanged
+(`tests/gpu/test_engine_gpu.py::test_pdl_decode_equals_plain_decode`), and it was faster
+in every decode timing so far: H200 session 23, 1.5B batch 1 1.541 -> 1.453 ms, 7B 4.106
+-> 3.998 ms; H100 session 25, 1.07x at 1.5B batch 1 (1.797 -> 1.673 ms), 1.005x-1.08x at
+1.5B / 7B, batch 1 / 8 / 32. `DecodeModel.pdl` holds the choice per model.
 Kernel wrappers read the flag of the innermost `launches` context: `kwargs()` gives their
 launch keywords.
 """
@@ -63,8 +64,8 @@ _preload = 0  # the innermost `launches` context's preload limit (bytes per prog
 
 
 def requested() -> bool:
-    """MEGATRON_TLT_PDL=1."""
-    return os.environ.get(PDL_ENV, "0") == "1"
+    """Unless MEGATRON_TLT_PDL=0 (on by default; `supported` decides per device)."""
+    return os.environ.get(PDL_ENV, "1") != "0"
 
 
 def prefetch_bytes() -> int:

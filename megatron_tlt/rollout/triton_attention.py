@@ -37,10 +37,9 @@ _combine_kernel outside decode cannot map its row to a sequence's length, so the
 split writes its max and sum, as before, but only live ones their partial output, which
 a merge never reads where the sum is 0). The merged result is the same bit for bit: an
 empty split's weight was 0 and its max -inf. A split holds at least `split_min_tiles()`
-BLOCK_N tiles (4 by default since session 25: at most 256 keys of bf16 per split would
-be ceil(ctx / 64) one-tile splits otherwise), and a context that fits in one split is
-not merged at all: that split writes the output (`_alone`), and _combine_kernel skips
-the row in decode.
+BLOCK_N tiles (1 by default; MEGATRON_TLT_SPLIT_MIN_TILES), and a context that fits in
+one split is not merged at all: that split writes the output (`_alone`), and
+_combine_kernel skips the row in decode.
 
 Numerics: scores and softmax in float32 (exp2 with log2(e) folded into the scale), the
 probabilities are cast to the value dtype for the P @ V product (bf16 on tensor cores,
@@ -431,14 +430,14 @@ with every session 18-19 kernel off. Those timings predate the live-split merge,
 loops over the live splits only instead of all of them (4 instead of 64 at batch 1 with a
 short context): bench rollout --compare-merge times the two again."""
 SPLIT_MIN_ENV = "MEGATRON_TLT_SPLIT_MIN_TILES"
-_MIN_TILES = int(os.environ.get(SPLIT_MIN_ENV, "4"))
+_MIN_TILES = int(os.environ.get(SPLIT_MIN_ENV, "1"))
 """The fewest BLOCK_N key tiles a live split holds (read at import; set_split_min_tiles).
-A split of one tile costs its program a partial write and the row a merge (an atomic
-and a read-back, or _combine_kernel's launch) to save the other programs a few pipelined
-tile loads; with at least 4 tiles (256 keys in bf16) a context of up to 256 keys is one
-split that writes its output itself (_alone), so decode at short contexts takes no merge,
-and longer contexts still spread over up to `num_splits` programs. 1: every tile may be
-its own split (the rule before session 25)."""
+1 (the default): every tile may be its own split. Larger minimums save short contexts
+the merge (a context of up to MIN_TILES tiles is one split that writes its output,
+_alone) at the price of tiles run one after another in one program; session 25 timed 4
+(bench rollout --compare-split-min, H100, benchmarks/results/gpu_2026-12-06_session25):
+0.88x-0.90x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96-0.97x on
+the 7B shape, 0.97x-1.02x at batch 32, so it stays 1."""
 MAX_MERGE_TILES = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
 
@@ -458,7 +457,7 @@ def set_merge_in_kernel(flag: bool) -> bool:
 
 
 def split_min_tiles() -> int:
-    """The fewest key tiles of a live split (MEGATRON_TLT_SPLIT_MIN_TILES, default 4)."""
+    """The fewest key tiles of a live split (MEGATRON_TLT_SPLIT_MIN_TILES, default 1)."""
     return _MIN_TILES
 
 

@@ -100,9 +100,9 @@ CASES = [  # (name, ctx, heads, kv heads, head_dim, page, planes, bias, new toke
                          ids=["1", "3-one-tile", "8-one-tile", "8"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_equals_separate_kernels(case, splits, min_tiles, merge, monkeypatch):
-    """Bit for bit, with split-K merges (one-tile splits: several live splits at these
-    contexts) and with the default 4-tile splits (every context here fits in one: that
-    split writes the output)."""
+    """Bit for bit, with split-K merges (one-tile splits, the default: several live splits
+    at these contexts) and with 4-tile splits (every context here fits in one: that split
+    writes the output)."""
     from megatron_tlt.rollout import triton_attention as ta
     monkeypatch.setattr(ta, "_MERGE", merge)
     monkeypatch.setattr(ta, "_MIN_TILES", min_tiles)

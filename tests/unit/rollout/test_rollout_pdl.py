@@ -25,9 +25,11 @@ def test_launch_keywords_follow_the_innermost_context(monkeypatch):
     assert pdl.kwargs() == {"USE_PDL": False}
 
 
-def test_requested_by_the_environment_and_never_on_a_cpu(monkeypatch):
+def test_requested_by_default_off_by_the_environment_and_never_on_a_cpu(monkeypatch):
+    """On unless MEGATRON_TLT_PDL=0 (the default since session 25), and never where the
+    device cannot (a CPU: DecodeModel.pdl is requested() and supported())."""
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert not pdl.requested()
+    assert pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert pdl.requested()
     monkeypatch.setenv(pdl.PDL_ENV, "0")

@@ -36,9 +36,9 @@ TOL = 2e-6  # float32: max |out - ref| / max |ref|
 
 @pytest.fixture
 def one_tile_splits(monkeypatch):
-    """Splits of a single key tile (MEGATRON_TLT_SPLIT_MIN_TILES=1): these tiny contexts
-    then spread over several live splits, whose partials a merge combines (with the
-    default 4-tile splits each of them would be one split)."""
+    """Splits of a single key tile (MEGATRON_TLT_SPLIT_MIN_TILES=1, the default, set here
+    whatever the environment says): these tiny contexts spread over several live splits,
+    whose partials a merge combines (with 4-tile splits most would be one split)."""
     from megatron_tlt.rollout import triton_attention as ta
     monkeypatch.setattr(ta, "_MIN_TILES", 1)
 
@@ -192,14 +192,16 @@ def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch, one_tile_
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
 def test_a_context_within_one_split_is_not_merged(merge, monkeypatch):
-    """Default 4-tile splits (128 keys in float32): contexts of up to 128 keys are one live
-    split, which writes the output itself: == num_splits=1 bit for bit in every mode; in
+    """4-tile splits (MEGATRON_TLT_SPLIT_MIN_TILES=4; 128 keys in float32): contexts of up to
+    128 keys are one live split, which writes the output itself: == num_splits=1 bit for
+    bit in every mode; in
     decode (and in every mode with the in-kernel merge) the NaN-filled partial buffers stay
     NaN (nothing written, _combine_kernel skips the rows) and no merge counter moves. A
     300-key context still splits (3 live splits of 128) and matches the reference.
     Control: with one-tile splits the same decode launch writes partials."""
     from megatron_tlt.rollout import triton_attention as ta
     monkeypatch.setattr(ta, "_MERGE", merge)
+    monkeypatch.setattr(ta, "_MIN_TILES", 4)
     assert ta.split_min_tiles() == 4
     seen = nan_filled_split_buffers(monkeypatch)
     for name, ctx, n_new, kw in CASES:
@@ -229,7 +231,7 @@ def test_choose_num_splits_counts_min_tile_splits():
     kw = dict(sms=132, block_n=64)
     assert choose_num_splits(1, 2, 256, min_tiles=4, **kw) == 1
     assert choose_num_splits(1, 2, 256, min_tiles=1, **kw) == 4
-    assert choose_num_splits(1, 2, 288, **kw) == 2  # default 4 tiles: 256 keys per split
+    assert choose_num_splits(1, 2, 288, **kw) == 5  # default: one 64-key tile per split
     assert choose_num_splits(1, 2, 32768, min_tiles=4, **kw) == 64
     assert choose_num_splits(64, 2, 32768, min_tiles=4, **kw) == 3
 
