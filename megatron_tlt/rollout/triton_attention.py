@@ -436,7 +436,7 @@ _MIN_TILES = int(os.environ.get(SPLIT_MIN_ENV, "1"))
 the merge (a context of up to MIN_TILES tiles is one split that writes its output,
 _alone) at the price of tiles run one after another in one program; session 25 timed 4
 (bench rollout --compare-split-min, H100, benchmarks/results/gpu_2026-12-06_session25):
-0.88x-0.90x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96-0.97x on
+0.88x-0.91x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96x-0.97x on
 the 7B shape, 0.97x-1.02x at batch 32, so it stays 1."""
 MAX_MERGE_TILES = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
