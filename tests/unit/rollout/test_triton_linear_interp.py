@@ -211,7 +211,8 @@ def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     decode step launches 5 Triton kernels per layer (QKV, RoPE + attention, O, gate_up,
     down) plus 3 (the first layer's input norm, the final norm, the head): 143 for 28
     layers against 282 without them. Counted at the launcher, so a change that adds a
-    launch per layer fails here."""
+    launch per layer fails here; and the fused attention is launched right after the QKV
+    projection (what its loads before the PDL wait rely on)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from megatron_tlt.rollout import triton_attention as ta
@@ -227,7 +228,7 @@ def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     ref = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
     fma = LinearConfig("fma", block_m=1, block_n=8, block_k=128, splits=2)
     i32 = lambda t: t.to(torch.int32)  # noqa: E731
-    launches = {}
+    launches, seqs = {}, {}
     for fused in (True, False):
         monkeypatch.setattr(ta, "_MERGE", fused)
         model = DecodeModel(arch, w, ref.cos, ref.sin, planner=LinearPlanner(fixed=fma, fixed_fused=fused))
@@ -240,8 +241,18 @@ def test_decode_step_launch_count_with_every_fusion(monkeypatch):
                       i32(torch.tensor([[2, 5, 0]])), i32(torch.tensor([6])), cache, num_splits=2)
         monkeypatch.setattr(InterpretedFunction, "run", run)
         launches[fused] = len(counts)
+        seqs[fused] = list(counts)
     layers = arch.num_layers
     assert launches[True] == 5 * layers + 3, counts
     # the control: separate norm, RoPE, SiLU and combine kernels
     assert launches[False] == 10 * layers + 2
+    # PDL safety (rollout/pdl.py): the fused decode attention loads its inputs and cached
+    # keys before its wait, so the kernel launched right before it must be the QKV
+    # projection (which writes none of them). Control: the separate kernels' attention
+    # follows the RoPE kernel, so the check can fail.
+    def attention_after_projection(seq):
+        at = [i for i, k in enumerate(seq) if k in ("_rope_attention_kernel", "_paged_attention_kernel")]
+        return len(at) == layers and all(seq[i - 1] == "_linear_kernel" for i in at)
+    assert attention_after_projection(seqs[True]), seqs[True]
+    assert not attention_after_projection(seqs[False])
 
