@@ -197,11 +197,12 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products, reduced once at the end
     if PRE_T >= 1:
-        acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
-                      nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K,
-                      DOT, S_IN, PRO, HAS_BIAS)
+        if k_lo < k_hi:  # a split may hold fewer tiles (or none): the loop's steps exactly
+            acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
+                          r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr,
+                          pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
     if PRE_T >= 2:
-        if k_lo + BLOCK_K < k_hi:  # a split may hold fewer tiles: the loop's steps exactly
+        if k_lo + BLOCK_K < k_hi:
             acc = _k_step(acc, w1, k_lo + BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
                           r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
                           w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
@@ -303,8 +304,7 @@ def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
     limit = pdl.preload_limit()
     if limit <= 0:
         return 0
-    block_n = cfg.block_n
-    return max(0, min(4, -(-k_split // cfg.block_k), limit // (block_n * cfg.block_k * elt)))
+    return max(0, min(4, -(-k_split // cfg.block_k), limit // (cfg.block_n * cfg.block_k * elt)))
 
 
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)

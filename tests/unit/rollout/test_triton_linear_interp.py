@@ -47,29 +47,31 @@ def test_linear_partials_sum_to_the_product(m, n, k, cfg):
     assert (bad.sum(0) - x @ w.T).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("k", [130, 64])
 @pytest.mark.parametrize("tiles", [1, 2, 3, 4])
 @pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2], CONFIGS[3]], ids=str)
-def test_weight_tiles_loaded_before_the_wait_give_the_same_bits(cfg, tiles, monkeypatch):
+def test_weight_tiles_loaded_before_the_wait_give_the_same_bits(cfg, tiles, k, monkeypatch):
     """The PDL weight preload (MEGATRON_TLT_PDL_PRELOAD_KB: a program's first 1-4 weight
     tiles loaded before its wait, pdl.py) runs the same steps in the same order: the same
     planes bit for bit, for plain inputs and both prologues, also where a split holds fewer
-    tiles than are preloaded (K = 130 over 3 splits of 64: the last split has 1 tile); a
-    preloaded tile paired with another tile's input would change the planes. Control: the
-    same preloaded run over the weight with its first tile zeroed differs."""
+    tiles than are preloaded (K = 130 over 3 splits of 64: the last split has 1 tile; K = 64
+    over 3 splits of 64: two hold none); a preloaded tile paired with another tile's input
+    would change the planes. Control: the same preloaded run over the weight with its
+    first tile zeroed differs."""
     from megatron_tlt.rollout import pdl
     from megatron_tlt.rollout import triton_linear as tlin
     m = 1 if cfg.kind == "fma" else 3
     g = torch.Generator().manual_seed(tiles)
-    x, w = torch.randn(m, 130, generator=g), torch.randn(20, 130, generator=g)
-    gu = torch.randn(2, m, 2 * 130, generator=g)
-    h, res = torch.randn(3, m, 130, generator=g), torch.randn(m, 130, generator=g)
-    nw = 1 + 0.1 * torch.randn(130, generator=g)
+    x, w = torch.randn(m, k, generator=g), torch.randn(20, k, generator=g)
+    gu = torch.randn(2, m, 2 * k, generator=g)
+    h, res = torch.randn(3, m, k, generator=g), torch.randn(m, k, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, generator=g)
     calls = [lambda w_: linear_partials(x, w_, cfg), lambda w_: silu_linear_partials(gu, w_, cfg),
              lambda w_: norm_linear_partials(h, res, nw, 1e-6, w_, cfg)[0]]
     plain = [c(w) for c in calls]
     tile_bytes = cfg.block_n * cfg.block_k * 4
     monkeypatch.setattr(pdl, "preload_limit", lambda: tiles * tile_bytes)
-    k_split = -(-130 // (cfg.splits * cfg.block_k)) * cfg.block_k
+    k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     assert tlin.preload_tiles(cfg, k_split, 4) == min(tiles, -(-k_split // cfg.block_k))
     for c, ref in zip(calls, plain):
         assert torch.equal(c(w), ref)
