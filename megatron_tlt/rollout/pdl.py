@@ -99,10 +99,10 @@ def supported(device) -> bool:
 @contextlib.contextmanager
 def launches(flag: bool, prefetch: int = 0, preload: int = 0):
     """Kernels launched inside take PDL when `flag`, projections of at most `prefetch`
-    weight bytes prefetch their slab, and projection programs whose first key tiles of
-    weights fit in `preload` bytes load them before the wait (read once per context, not
-    per launch: a forward passes `prefetch_bytes()`, `preload_bytes()`); all restored on
-    exit, nesting allowed."""
+    weight bytes prefetch their slab, and projection programs load as many of their first
+    weight tiles as fit in `preload` bytes (at most 4) before the wait (read once per
+    context, not per launch: a forward passes `prefetch_bytes()`, `preload_bytes()`); all
+    restored on exit, nesting allowed."""
     global _active, _prefetch, _preload
     prev = _active, _prefetch, _preload
     _active = bool(flag)
