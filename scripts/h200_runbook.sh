@@ -33,11 +33,12 @@
 #             kernel of sessions 18-19 on and off (random weights, no target needed;
 #             pg_kernels_s19_{1,0}.json, each side its own plan file)
 #             KERNEL_PARTS=tests (or profile) runs one half
-#   pdl       programmatic dependent launch (opt-in, MEGATRON_TLT_PDL=1) with the 32 MB L2
-#             prefetch through the speculative GPU tests first (what making it the default
-#             waits for), then tests/gpu/test_engine_gpu.py, then bench rollout with PDL
-#             --compare-pdl --compare-preload 64 (random weights, no target needed; a 600 s call). The spec stage under
-#             MEGATRON_TLT_PDL=1 (SPEC_TAG=_pdl) times SD with it on the trained target
+#   pdl       programmatic dependent launch (MEGATRON_TLT_PDL, on by default since session 25)
+#             with the 32 MB L2 prefetch through the speculative GPU tests first (what made
+#             it the default), then tests/gpu/test_engine_gpu.py, then bench rollout with
+#             PDL --compare-pdl --compare-preload 64 (random weights, no target needed; a
+#             600 s call). The spec stage under MEGATRON_TLT_PDL=0 (SPEC_TAG=_nopdl) times
+#             SD without it on the trained target
 #   fusions   RoPE folded into the attention kernel of decode and verify (MEGATRON_TLT_FUSED_ROPE,
 #             on by default since session 24) and the live-split in-kernel merge
 #             (MEGATRON_TLT_FUSED_COMBINE=1, opt-in): their GPU tests (and
@@ -151,7 +152,7 @@ case "$STAGE" in
       echo "[runbook] kernels profile (sessions 18-19 kernels $k): rc=$? at $(( $(date +%s) - t0 )) s"
     done ;;
   pdl)
-    # What making PDL the default waits for: the speculative GPU tests with it on, first
+    # What made PDL the default (session 25): the speculative GPU tests with it on, first
     # (session 24 cut them at 11 passed, 0 failed, compiling the PDL variants; the engine
     # tests passed with it there), then the engine tests the same session ran, then one
     # bench rollout with PDL against PDL off (--compare-pdl) and against PDL with 64 KB of

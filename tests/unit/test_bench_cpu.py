@@ -33,7 +33,8 @@ def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     assert report["settings"]["compare_pdl"] is True
     assert all("decode_ms_pdl" not in r and r["of_roofline_pdl"] is None for r in report["results"])
     assert report["settings"]["compare_fused_rope"] is True and report["settings"]["compare_merge"] is True
-    assert report["settings"]["compare_split_min"] is True and report["settings"]["compare_preload_kb"] == 64
+    assert report["settings"]["compare_split_min"] is True
+    assert report["settings"]["compare_preload_kb"] == 64
     assert all("decode_ms_split_min" not in r for r in report["results"])
     assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None
                for r in report["results"])
