@@ -43,9 +43,8 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
-                                                   MODE_TREE, _attend, _attend_tile, _finish,
-                                                   _load_kv, _n_merge, _program, _query_rows,
-                                                   _split_range,
+                                                   MODE_TREE, _attend, _finish, _load_kv,
+                                                   _n_merge, _program, _query_rows, _split_range,
                                                    attention_merge_in_kernel, block_n_for,
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_min_tiles, split_strides)
@@ -346,12 +345,8 @@ def _rope_attention_kernel(
         kh = NUM_HEADS + kvh + 0 * tl.arange(0, WB)
         k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
                            stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S, HAS_BIAS)
-        w_ok = j_ok[:, None] & (dd < HEAD_DIM)
-        vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
-        v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
-        if HAS_BIAS:
-            v_new += tl.load(bias_ptr + vcol + dd, mask=w_ok, other=0.0).to(tl.float32)
-        v_new = v_new.to(v_ptr.dtype.element_ty)
+        v_new = _v_rows(row_w, bias_ptr, kh, j_ok, dd, stride_qkv_s, NUM_KV_HEADS, HEAD_DIM, S,
+                        HAS_BIAS).to(v_ptr.dtype.element_ty)
         # The new token's row of each (the one valid row of k_new / v_new, exactly).
         # (padding columns are 0 in both; -inf everywhere when the split does not hold the
         # token, and then never used: _with_new_row)
@@ -372,9 +367,10 @@ def _rope_attention_kernel(
             k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
                                stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S,
                                HAS_BIAS)
-            _store_kv(k_ptr, v_ptr, row_w, bias_ptr, slot, j_ok, kh, kvh, k_new, dd,
-                      stride_qkv_s, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                      stride_vh, NUM_KV_HEADS, HEAD_DIM, PAGE, S, HAS_BIAS)
+            v_new = _v_rows(row_w, bias_ptr, kh, j_ok, dd, stride_qkv_s, NUM_KV_HEADS, HEAD_DIM,
+                            S, HAS_BIAS)
+            _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
+                      stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
         tl.debug_barrier()  # the K/V stores before this block's loads of them
 
     qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
@@ -385,26 +381,14 @@ def _rope_attention_kernel(
                        head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
                        D_PAD, S, HAS_BIAS)  # 0 past n_new
     if MODE == 0:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        k0, v0 = _with_new_row(k0, v0, k_row, v_row, start, end, prefix, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                     tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
-        for n0 in range(start + BLOCK_N, end, BLOCK_N):
-            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb,
-                            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
-                            BLOCK_N, PAGE)
-            k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
+                                row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
+                                stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
+                                scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
+                                k0, v0, k_row, v_row, NEW_ROW=True)
         # The new token's K and V into the cache: read by later launches, not this one.
-        blk = (slot // PAGE)[:, None]
-        off = (slot % PAGE)[:, None]
-        st_ok = w_ok & (slot >= 0)[:, None]
-        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=st_ok)
-        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dd, v_new, mask=st_ok)
+        _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
+                  stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
     else:
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
@@ -417,26 +401,25 @@ def _rope_attention_kernel(
 
 
 @triton.jit
-def _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N: tl.constexpr):
-    """The key tile k / value tile v at n0 .. n0 + BLOCK_N - 1 with the row at position
-    `prefix` (the decode step's new token, when below `end`) replaced by k_row / v_row."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    new = ((n == prefix) & (n < end))[:, None]
-    return tl.where(new, k_row[None, :], k), tl.where(new, v_row[None, :], v)
+def _v_rows(row_w, bias_ptr, kh, j_ok, dd, stride_qkv_s, NUM_KV_HEADS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """float32 V rows of the tokens whose QKV planes rows start at row_w (K head kh, its V
+    head kh + NUM_KV_HEADS), summed in plane order (+ bias); 0 for rows without j_ok."""
+    ok = j_ok[:, None] & (dd < HEAD_DIM)
+    vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
+    v = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, ok, S)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + vcol + dd, mask=ok, other=0.0).to(tl.float32)
+    return v
 
 
 @triton.jit
-def _store_kv(k_ptr, v_ptr, row_w, bias_ptr, slot, j_ok, kh, kvh, k_new, dd, stride_qkv_s,
-              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-              S: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Rows k_new and the matching V rows (summed from the QKV planes row_w, + bias) into
-    the cache at `slot` (rows with j_ok and slot >= 0)."""
+def _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
+              stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM: tl.constexpr,
+              PAGE: tl.constexpr):
+    """Rows k_new / v_new (cast to the cache dtype) into the cache at `slot` (rows with
+    j_ok and slot >= 0)."""
     w_ok = (j_ok & (slot >= 0))[:, None] & (dd < HEAD_DIM)
-    vcol = (kh + NUM_KV_HEADS)[:, None] * HEAD_DIM
-    v_new = _sum_planes(row_w[:, None] + vcol, stride_qkv_s, dd, w_ok, S)
-    if HAS_BIAS:
-        v_new += tl.load(bias_ptr + vcol + dd, mask=w_ok, other=0.0).to(tl.float32)
     blk = (slot // PAGE)[:, None]
     off = (slot % PAGE)[:, None]
     tl.store(k_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dd, k_new, mask=w_ok)

@@ -230,19 +230,39 @@ def _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr, b,
 
 
 @triton.jit
+def _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N: tl.constexpr):
+    """The key tile k / value tile v at n0 .. n0 + BLOCK_N - 1 with the row at position
+    `prefix` (the decode step's new token, when below `end`) replaced by k_row / v_row."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    new = ((n == prefix) & (n < end))[:, None]
+    return tl.where(new, k_row[None, :], k), tl.where(new, v_row[None, :], v)
+
+
+@triton.jit
 def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row_ok, d, d_ok,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
             stride_tmb, stride_tmi, scale_log2,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
-            PAGE: tl.constexpr, MODE: tl.constexpr):
+            PAGE: tl.constexpr, MODE: tl.constexpr,
+            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False):
     """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
-    KV head kvh: (running max m, running sum l, unnormalised output acc)."""
+    KV head kvh: (running max m, running sum l, unnormalised output acc). NEW_ROW (the
+    fused decode): the first tile's keys/values k0 / v0 are loaded already, and the key at
+    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    n_from = start
+    if NEW_ROW:
+        k0, v0 = _with_new_row(k0, v0, k_row, v_row, start, end, prefix, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
+                                     tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
+        n_from = start + BLOCK_N
+    for n0 in range(n_from, end, BLOCK_N):
         k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
                         stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+        if NEW_ROW:
+            k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
                                      b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
     return m_i, l_i, acc
