@@ -59,7 +59,7 @@ def _case(ctx, *, heads, kvh, d, page, planes, bias, seed, q=1):
             p = c - q + j  # cache position of new token j
             pos.append(max(c - q, 0) + depth[j])
             slots.append(int(bt[b, p // page]) * page + p % page if c > 0 else -1)
-    cos, sin = rope_table(128, d, 10000.0)
+    cos, sin = rope_table(max(128, max(ctx) + q), d, 10000.0)
     kw = dict(num_heads=heads, num_kv_heads=kvh, head_dim=d,
               bias=torch.randn(width, generator=g) if bias else None)
     meta = dict(block_tables=bt, context_lens=torch.tensor([max(c, 1) for c in ctx]))
@@ -118,6 +118,24 @@ def test_fused_equals_separate_kernels(case, splits, min_tiles, merge, monkeypat
     live = [i for i, s in enumerate(slots.tolist()) if s >= 0]  # a padding row's output is unused
     assert torch.equal(out[live], ref[live])
     assert not ta.merge_counters(torch.device("cpu")).any()
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_fused_prefetch_is_the_same_arithmetic(q, monkeypatch):
+    """rope_attention with the next key tile prefetched (MEGATRON_TLT_ATTN_PREFETCH, the
+    default) == without it, bit for bit (output and caches), decode and tree verify, with
+    contexts of up to 7 key tiles in one split (4-tile minimum) or several."""
+    from megatron_tlt.rollout import triton_attention as ta
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        [7, 100, 230], heads=6, kvh=2, d=16, page=8, planes=2, bias=True, seed=11, q=q)
+    for min_tiles, splits in ((4, 1), (1, 3)):
+        monkeypatch.setattr(ta, "_MIN_TILES", min_tiles)
+        res = []
+        for flag in (False, True):
+            monkeypatch.setattr(ta, "_PREFETCH", flag)
+            k2, v2 = kc.clone(), vc.clone()
+            res.append((_fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits), k2, v2))
+        assert all(torch.equal(a, b) for a, b in zip(*res)), (min_tiles, splits)
 
 
 @pytest.mark.parametrize("q", [1, 5])
