@@ -111,10 +111,6 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also time decode with split-K attention splits of at least 4 key "
                         "tiles (MEGATRON_TLT_SPLIT_MIN_TILES=4) against the default of 1 "
                         "(or 1 when the process runs with another; graphs recaptured)")
-    p.add_argument("--compare-attn-prefetch", action="store_true",
-                   help="also time decode with the attention loops' next-tile prefetch switched "
-                        "the other way (on by default, MEGATRON_TLT_ATTN_PREFETCH=0 turns it "
-                        "off; graphs recaptured)")
     p.add_argument("--compare-preload", type=float, default=None, metavar="KB",
                    help="with PDL on, also time decode with projection programs loading up to KB "
                         "kilobytes of their first weight tiles before the PDL wait "
@@ -425,7 +421,6 @@ _VARIANTS = {  # row key of an A/B timing -> its column title
     "decode_ms_merge_in_kernel": "merge_in_kernel_ms",
     "decode_ms_combine_kernel": "combine_kernel_ms", "decode_ms_split_min": "split_min_ms",
     "decode_ms_preload": "preload_ms",
-    "decode_ms_prefetch": "attn_prefetch_ms", "decode_ms_noprefetch": "no_attn_prefetch_ms",
     "decode_ms_cublas": "cublas_ms"}
 
 
@@ -585,17 +580,6 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
         runner.release()
         for row in rows:
             row["split_min_tiles"], row["split_min_tiles_variant"] = cur, other
-    if args.compare_attn_prefetch and runner is not None and plan.graphs:
-        from megatron_tlt.rollout import triton_attention
-        flag = triton_attention.set_attn_prefetch(not triton_attention.attn_prefetch())
-        runner.release()
-        key = "decode_ms_noprefetch" if flag else "decode_ms_prefetch"
-        _retime(engine, rows, prompts, args, key, key,
-                f"attention {'without' if flag else 'with'} the next key tile prefetched", name, log)
-        triton_attention.set_attn_prefetch(flag)
-        runner.release()
-        for row in rows:
-            row["attn_prefetch"] = flag
     if args.compare_preload is not None and runner is not None and plan.graphs:
         from megatron_tlt.rollout import pdl
         if not runner.model.pdl:
@@ -726,7 +710,7 @@ def main(args: argparse.Namespace) -> int:
         row["hf_mode"] = min(modes, key=modes.get) if modes else None
         row["hf_ms_by_mode"] = modes
         row["of_roofline_cublas"] = ratio(row["roofline_ms"], row.get("decode_ms_cublas"))
-        for key in ("pdl", "fused_rope", "merge_in_kernel", "prefetch"):
+        for key in ("pdl", "fused_rope", "merge_in_kernel"):
             row[f"of_roofline_{key}"] = ratio(row["roofline_ms"], row.get(f"decode_ms_{key}"))
         row["hf_over_decode"] = ratio(hf, row["decode_ms"])
         row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
@@ -762,7 +746,6 @@ def main(args: argparse.Namespace) -> int:
                      "compare_fused_rope": opts.compare_fused_rope,
                      "compare_merge": opts.compare_merge,
                      "compare_split_min": opts.compare_split_min,
-                     "compare_attn_prefetch": opts.compare_attn_prefetch,
                      "compare_preload_kb": opts.compare_preload,
                      "seed": opts.seed},
         "bandwidth": bw,
@@ -789,10 +772,6 @@ def main(args: argparse.Namespace) -> int:
             "decode_ms_split_min": "decode_ms with the split-K attention's minimum key tiles "
                                    "per split switched (--compare-split-min: "
                                    "split_min_tiles_variant against split_min_tiles)",
-            "decode_ms_prefetch": "decode_ms with the attention loops loading the next key tile "
-                                  "before computing the current one (--compare-attn-prefetch, "
-                                  "when decode_ms ran without it; decode_ms_noprefetch the "
-                                  "converse)",
             "decode_ms_preload": "decode_ms (with PDL) with up to preload_kb KB of each projection "
                                  "program's weight tiles loaded before its PDL wait "
                                  "(--compare-preload)",

@@ -50,10 +50,6 @@
 #             decode K/V from registers, loads before the PDL wait): their GPU tests, bench
 #             rollout --compare-split-min --compare-merge with PDL on and off, then
 #             tests/gpu/test_spec_gpu.py (random weights, no target needed; a 600 s call)
-#   prefetch  session 26's next-tile prefetch in the attention loops: its GPU tests and the
-#             attention kernels', bench rollout --compare-attn-prefetch with 1-tile splits
-#             (and --compare-split-min) and with 4-tile splits, tools/profile_decode.py at
-#             batch 1 with it on / off (random weights, no target needed; a 600 s call)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -231,38 +227,12 @@ case "$STAGE" in
       echo "[runbook] splits spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
       tail -n 4 "$RESULTS/gpu_tests_splits_spec.log"
     fi ;;
-  prefetch)
-    # Session 26: the attention loops load the next key tile (and the block-table entries
-    # of the one after) before computing the current one (MEGATRON_TLT_ATTN_PREFETCH, on by
-    # default; Triton emits no cp.async pipeline for these loops). Its GPU tests (same bits
-    # as without, every mode; the attention kernels' tests), then bench rollout
-    # --compare-attn-prefetch --compare-split-min (1-tile splits, the default), the same
-    # with 4-tile splits (each split then runs several tiles, where a prefetch can pay),
-    # then tools/profile_decode.py at batch 1 with the prefetch on / off.
-    timeout "$(upto 330)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-        -k "prefetch or rope or split_merge or decode_kernel or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
-        > "$RESULTS/gpu_tests_prefetch.log" 2>&1
-    echo "[runbook] prefetch tests: rc=$? at $(( $(date +%s) - t0 )) s"
-    tail -n 4 "$RESULTS/gpu_tests_prefetch.log"
-    for m in 1 4; do
-      [ "$(left)" -gt 60 ] || break
-      MEGATRON_TLT_SPLIT_MIN_TILES=$m timeout "$(upto 60)" $PY -m megatron_tlt bench rollout \
-          --json "$RESULTS/bench_rollout_prefetch_min$m.json" --shapes 1.5b,7b --batch-sizes 1,8,32 \
-          --no-hf --compare-attn-prefetch $([ "$m" = 1 ] && echo --compare-split-min) 2>&1 \
-          | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
-      echo "[runbook] prefetch bench (min tiles $m): rc=$? at $(( $(date +%s) - t0 )) s"
-    done
-    for f in 1 0; do
-      [ "$(left)" -gt 45 ] || break
-      MEGATRON_TLT_ATTN_PREFETCH=$f timeout 40 $PY tools/profile_decode.py --shape 1.5b --batch 1 \
-          --json "$RESULTS/profile_decode_1p5b_b1_prefetch$f.json" 2>&1 | tail -n 8
-    done ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits prefetch gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits gputests)" ;;
 esac
 exit 0

@@ -45,8 +45,7 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
-                                                   attention_merge_in_kernel, attn_prefetch,
-                                                   block_n_for,
+                                                   attention_merge_in_kernel, block_n_for,
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_min_tiles, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
@@ -309,7 +308,7 @@ def _rope_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
-        PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
@@ -386,7 +385,7 @@ def _rope_attention_kernel(
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                                 stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
-                                k0, v0, k_row, v_row, NEW_ROW=True, PREFETCH=PREFETCH)
+                                k0, v0, k_row, v_row, NEW_ROW=True)
         # The new token's K and V into the cache: read by later launches, not this one.
         _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
@@ -394,7 +393,7 @@ def _rope_attention_kernel(
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                                 stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
-                                scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE, PREFETCH=PREFETCH)
+                                scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
     n_merge = _n_merge(n_live, num_splits, MODE, MERGE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
@@ -508,7 +507,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
-        PREFETCH=attn_prefetch(), num_warps=4, num_stages=2, **pdl.kwargs())
+        num_warps=4, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

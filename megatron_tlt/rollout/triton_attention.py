@@ -190,24 +190,9 @@ def _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_k
              BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Keys and values n0 .. n0 + BLOCK_N - 1 of sequence b's KV head kvh ([BLOCK_N, D_PAD]
     each; 0 from `end` on)."""
-    page = _pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N, PAGE)
-    return _load_kv_pages(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
-                          stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE)
-
-
-@triton.jit
-def _pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """The cache block of each key n0 .. n0 + BLOCK_N - 1 of sequence b (0 from `end` on)."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n < end, other=0).to(tl.int64)
-
-
-@triton.jit
-def _load_kv_pages(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
-                   stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """_load_kv with the keys' cache blocks given (_pages)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < end
+    page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
     in_page = (n % PAGE).to(tl.int64)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
@@ -259,53 +244,27 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
             stride_tmb, stride_tmi, scale_log2,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, MODE: tl.constexpr,
-            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False,
-            PREFETCH: tl.constexpr = False):
+            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False):
     """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
     KV head kvh: (running max m, running sum l, unnormalised output acc). NEW_ROW (the
     fused decode): the first tile's keys/values k0 / v0 are loaded already, and the key at
-    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row).
-    PREFETCH: the next tile's keys/values and the block-table entries of the one after are
-    loaded before this tile is computed (a tile's loads then wait for one memory latency at
-    most, not for the block table and then the cache one after the other); the same tiles
-    in the same order, so the same bits."""
+    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     n_from = start
     if NEW_ROW:
-        n_from = start + BLOCK_N
-    if PREFETCH:
-        k_nx, v_nx = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n_from, end, d, d_ok, stride_kb,
-                              stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
-                              BLOCK_N, PAGE)
-        pg_nx = _pages(bt_ptr, b, n_from + BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
-    if NEW_ROW:
         k0, v0 = _with_new_row(k0, v0, k_row, v_row, start, end, prefix, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
                                      tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
-    if PREFETCH:
-        for n0 in range(n_from, end, BLOCK_N):
-            k, v = k_nx, v_nx
-            k_nx, v_nx = _load_kv_pages(k_ptr, v_ptr, pg_nx, kvh, n0 + BLOCK_N, end, d, d_ok,
-                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                        stride_vh, BLOCK_N, PAGE)
-            pg_nx = _pages(bt_ptr, b, n0 + 2 * BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
-            if NEW_ROW:
-                k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
-    else:
-        for n0 in range(n_from, end, BLOCK_N):
-            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb,
-                            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
-                            BLOCK_N, PAGE)
-            if NEW_ROW:
-                k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
+        n_from = start + BLOCK_N
+    for n0 in range(n_from, end, BLOCK_N):
+        k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
+                        stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+        if NEW_ROW:
+            k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
+                                     b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
     return m_i, l_i, acc
 
 
@@ -396,8 +355,7 @@ def _paged_attention_kernel(
         G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         SPLIT: tl.constexpr, MODE: tl.constexpr, MERGE: tl.constexpr = False,
-        MIN_TILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
-        USE_PDL: tl.constexpr = False):
+        MIN_TILES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
     prefix = ctx - n_new
@@ -417,7 +375,7 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
                             row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                             stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi, scale_log2,
-                            BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE, PREFETCH=PREFETCH)
+                            BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE)
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE, MODE)
@@ -500,15 +458,6 @@ _alone) at the price of tiles run one after another in one program; session 25 t
 (bench rollout --compare-split-min, H100, benchmarks/results/gpu_2026-12-06_session25):
 0.88x-0.91x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96x-0.97x on
 the 7B shape, 0.97x-1.02x at batch 32, so it stays 1."""
-PREFETCH_ENV = "MEGATRON_TLT_ATTN_PREFETCH"
-_PREFETCH = os.environ.get(PREFETCH_ENV, "1") != "0"
-"""Attention loops load the next key tile (and the block-table entries of the one after)
-before computing the current one (_attend's PREFETCH; read at import, set_attn_prefetch;
-=0 turns it off). Triton does not software-pipeline these loops itself (their PTX has no
-cp.async at num_stages 2 to 4: the key addresses come from another load), so without it
-each tile waits for the block table and then the cache, one after the other. Same bits
-either way (the same tiles in the same order); bench rollout --compare-attn-prefetch times
-the two."""
 MAX_MERGE_TILES = 1 << 16
 _locks: dict[torch.device, torch.Tensor] = {}
 
@@ -524,20 +473,6 @@ def set_merge_in_kernel(flag: bool) -> bool:
     previous one. Captured CUDA graphs keep the choice they were captured with."""
     global _MERGE
     prev, _MERGE = _MERGE, bool(flag)
-    return prev
-
-
-def attn_prefetch() -> bool:
-    """Whether attention loops prefetch the next key tile (MEGATRON_TLT_ATTN_PREFETCH,
-    default on)."""
-    return _PREFETCH
-
-
-def set_attn_prefetch(flag: bool) -> bool:
-    """Set the process's choice (A/B benchmarks: bench rollout --compare-attn-prefetch);
-    returns the previous one. Captured CUDA graphs keep the choice they were captured with."""
-    global _PREFETCH
-    prev, _PREFETCH = _PREFETCH, bool(flag)
     return prev
 
 
@@ -725,8 +660,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES, PREFETCH=_PREFETCH,
-        num_warps=4, num_stages=2, **pdl.kwargs())
+        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES, num_warps=4,
+        num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -205,56 +205,6 @@ def test_split_merge_in_kernel_is_exact_and_stable_under_replay(tree, monkeypatc
     assert not ta.merge_counters(CUDA).any()
 
 
-@pytest.mark.parametrize("min_tiles", [1, 4])
-def test_attention_prefetch_same_bits_bf16(min_tiles, monkeypatch):
-    """The attention loops with the next key tile prefetched (MEGATRON_TLT_ATTN_PREFETCH,
-    the default) == without, bit for bit, bf16, compiled: paged_attention in decode,
-    causal extend and tree verify, and rope_attention in decode and tree verify (output
-    and caches), contexts from 5 to 4500 at 1, 8 and 64 splits, with 1- and 4-tile split
-    minimums. Control: a block table with two entries swapped changes the output."""
-    from megatron_tlt.rollout import triton_attention as ta
-    from megatron_tlt.rollout.gpu_model import rope_attention
-    monkeypatch.setattr(ta, "_MIN_TILES", min_tiles)
-    ctx = [5, 17, 300, 4097, 6, 129, 66, 4500]
-
-    def both(call):
-        outs = []
-        for flag in (False, True):
-            monkeypatch.setattr(ta, "_PREFETCH", flag)
-            outs.append(call())
-        return outs
-
-    for mode, n in (("decode", 1), ("causal", 9), ("tree", 5)):
-        q, k, v, meta = paged_case([max(c, n) for c in ctx], [n] * len(ctx), heads=12,
-                                   kv_heads=2, page=16, dtype=torch.bfloat16,
-                                   tree=mode == "tree", seed=n)
-        kw = {} if mode == "decode" else dict(query_start=meta.query_start, max_query_len=n,
-                                              tree_mask=meta.tree_mask)
-        for splits in (1, 8, 64):
-            off, on = both(lambda: paged_attention(  # noqa: B023
-                q, k, v, meta.block_tables, meta.context_lens, scale=HEAD_DIM ** -0.5,
-                num_splits=splits, **kw))  # noqa: B023
-            assert torch.equal(off, on), (mode, splits)
-    swapped = meta.block_tables.clone()
-    swapped[:, [0, 1]] = swapped[:, [1, 0]]
-    bad = paged_attention(q, k, v, swapped, meta.context_lens, scale=HEAD_DIM ** -0.5,
-                          num_splits=8, **kw)
-    assert not torch.equal(bad, on)
-    for n in (1, 5):
-        qkv, pos, slots, cos, sin, kc, vc, meta, hk = _rope_case(
-            [max(c, n) for c in ctx], heads=12, kvh=2, page=16, dtype=torch.bfloat16, planes=2,
-            bias=True, seed=n, q=n)
-        for splits in (1, 8, 64):
-            def call():
-                k2, v2 = kc.clone(), vc.clone()  # noqa: B023
-                out = rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: B023
-                                     scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **hk)  # noqa: B023
-                return out, k2, v2
-            off, on = both(call)
-            assert all(torch.equal(a, b) for a, b in zip(off, on)), (n, splits)
-    torch.cuda.synchronize()
-
-
 def test_kernel_negative_control():
     """A shuffled block table must fail the comparison (the check has power)."""
     q, k, v, meta = paged_case([300, 800, 129], [1, 1, 1], heads=12, kv_heads=2, page=16,

@@ -25,7 +25,7 @@ def _run(tmp_path, *extra) -> dict:
 def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
                   "--compare-pdl", "--compare-fused-rope", "--compare-merge", "--compare-split-min",
-                  "--compare-attn-prefetch", "--compare-preload", "64")
+                  "--compare-preload", "64")
     for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
         assert key in report
     assert report["errors"] == []
@@ -34,8 +34,6 @@ def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     assert all("decode_ms_pdl" not in r and r["of_roofline_pdl"] is None for r in report["results"])
     assert report["settings"]["compare_fused_rope"] is True and report["settings"]["compare_merge"] is True
     assert report["settings"]["compare_split_min"] is True
-    assert report["settings"]["compare_attn_prefetch"] is True
-    assert all(r["of_roofline_prefetch"] is None for r in report["results"])
     assert report["settings"]["compare_preload_kb"] == 64
     assert all("decode_ms_split_min" not in r for r in report["results"])
     assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None

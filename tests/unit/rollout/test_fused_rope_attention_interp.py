@@ -121,24 +121,6 @@ def test_fused_equals_separate_kernels(case, splits, min_tiles, merge, monkeypat
 
 
 @pytest.mark.parametrize("q", [1, 5])
-def test_fused_prefetch_is_the_same_arithmetic(q, monkeypatch):
-    """rope_attention with the next key tile prefetched (MEGATRON_TLT_ATTN_PREFETCH, the
-    default) == without it, bit for bit (output and caches), decode and tree verify, with
-    contexts of up to 7 key tiles in one split (4-tile minimum) or several."""
-    from megatron_tlt.rollout import triton_attention as ta
-    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
-        [7, 100, 230], heads=6, kvh=2, d=16, page=8, planes=2, bias=True, seed=11, q=q)
-    for min_tiles, splits in ((4, 1), (1, 3)):
-        monkeypatch.setattr(ta, "_MIN_TILES", min_tiles)
-        res = []
-        for flag in (False, True):
-            monkeypatch.setattr(ta, "_PREFETCH", flag)
-            k2, v2 = kc.clone(), vc.clone()
-            res.append((_fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits), k2, v2))
-        assert all(torch.equal(a, b) for a, b in zip(*res)), (min_tiles, splits)
-
-
-@pytest.mark.parametrize("q", [1, 5])
 def test_comparison_catches_a_wrong_position_and_a_missing_write(q):
     """Negative controls: the same comparison fails when the fused kernel is given other
     positions (RoPE differs) or told not to write the first sequence's K/V (slot -1: the

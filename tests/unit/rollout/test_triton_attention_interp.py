@@ -101,34 +101,6 @@ def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits, one_til
     assert rel_err(out, ref) < TOL, f"{name} splits={splits}: error {rel_err(out, ref):.2e}"
 
 
-@pytest.mark.parametrize("min_tiles", [1, 4])
-def test_prefetch_is_the_same_arithmetic(min_tiles, monkeypatch):
-    """The attention loop with the next key tile prefetched (MEGATRON_TLT_ATTN_PREFETCH,
-    the default) == without it, bit for bit, in every mode, with contexts of up to 8 key
-    tiles (float32: 32 keys each) in one split (4-tile minimum, 1 split) and split over
-    several; and both the reference's output. Control: the same comparison tells apart a
-    block table with two entries swapped (so the tiles a prefetch loads do matter)."""
-    from megatron_tlt.rollout import triton_attention as ta
-    monkeypatch.setattr(ta, "_MIN_TILES", min_tiles)
-    for name, ctx, n_new, kw in CASES:
-        q, k, v, meta = paged_case([c + 200 for c in ctx], n_new, **kw)
-        ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
-        extra = {} if name.startswith("decode") else dict(
-            query_start=meta.query_start, max_query_len=max(n_new), tree_mask=meta.tree_mask)
-        for splits in (1, 3):
-            outs = []
-            for flag in (False, True):
-                monkeypatch.setattr(ta, "_PREFETCH", flag)
-                outs.append(paged_attention(q, k, v, meta.block_tables, meta.context_lens,
-                                            scale=0.25, num_splits=splits, **extra))
-            assert torch.equal(outs[0], outs[1]), (name, splits)
-            assert rel_err(outs[1], ref) < TOL, (name, splits)
-    swapped = meta.block_tables.clone()
-    swapped[:, [1, 4]] = swapped[:, [4, 1]]
-    out = paged_attention(q, k, v, swapped, meta.context_lens, scale=0.25, num_splits=1, **extra)
-    assert not torch.equal(out, outs[1])
-
-
 @pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
 def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch, one_tile_splits):
     """Split-K partials merged by the last split program of each row tile (the default) or
