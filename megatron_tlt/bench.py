@@ -35,8 +35,10 @@ What is measured, per model shape and batch size B:
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import platform
@@ -115,6 +117,11 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="with PDL on, also time decode with projection programs loading up to KB "
                         "kilobytes of their first weight tiles before the PDL wait "
                         "(MEGATRON_TLT_PDL_PRELOAD_KB=KB; graphs recaptured)")
+    p.add_argument("--compare-attr", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                   help="also time decode with a module attribute that kernels read at each "
+                        "launch set to VALUE (a Python literal), e.g. "
+                        "megatron_tlt.rollout.gpu_model:NORM_WARPS=8; repeatable, each timed on "
+                        "its own against the defaults (graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -424,13 +431,46 @@ _VARIANTS = {  # row key of an A/B timing -> its column title
     "decode_ms_cublas": "cublas_ms"}
 
 
+def parse_attr(spec: str) -> tuple[object, str, object]:
+    """'MODULE:NAME=VALUE' (--compare-attr) -> (the imported module, NAME, the literal
+    VALUE); a clear error when the module or attribute does not exist or VALUE is not a
+    Python literal."""
+    target, sep, value = spec.partition("=")
+    mod_name, colon, attr = target.partition(":")
+    if not sep or not colon or not mod_name or not attr:
+        raise TLTError(f"bench rollout: --compare-attr {spec!r}: expected MODULE:NAME=VALUE")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise TLTError(f"bench rollout: --compare-attr {spec!r}: cannot import {mod_name}: {e}") from e
+    if not hasattr(mod, attr):
+        raise TLTError(f"bench rollout: --compare-attr {spec!r}: {mod_name} has no attribute {attr}")
+    try:
+        val = ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+        raise TLTError(f"bench rollout: --compare-attr {spec!r}: {value!r} is not a Python "
+                       f"literal") from e
+    return mod, attr, val
+
+
+def _attr_keys(rows: list[dict]) -> list[str]:
+    """The --compare-attr timings' row keys, in order (decode_ms_attr0, ...)."""
+    n = max((int(k[len("decode_ms_attr"):]) + 1 for r in rows for k in r
+             if k.startswith("decode_ms_attr") and k[len("decode_ms_attr"):].isdigit()), default=0)
+    return [f"decode_ms_attr{i}" for i in range(n)]
+
+
 def variant_table(rows: list[dict]) -> list[str]:
     """The A/B timings of one run side by side (no lines when there are none): per row,
     decode_ms and each variant's ms with decode_ms / variant ms (> 1: the variant is faster)."""
-    variants = [k for k in _VARIANTS if any(r.get(k) is not None for r in rows)]
+    titles = dict(_VARIANTS)
+    for k in _attr_keys(rows):  # --compare-attr: titled NAME=VALUE
+        spec = next((r.get("attr" + k[len("decode_ms_attr"):]) for r in rows), None) or k
+        titles[k] = spec.rpartition(":")[2][:24]
+    variants = [k for k in titles if any(r.get(k) is not None for r in rows)]
     if not variants:
         return []
-    lines = [f"{'shape':>5} {'B':>4} {'decode_ms':>9} " + " ".join(f"{_VARIANTS[k]:>24}" for k in variants)]
+    lines = [f"{'shape':>5} {'B':>4} {'decode_ms':>9} " + " ".join(f"{titles[k]:>24}" for k in variants)]
     for r in rows:
         cells = []
         for k in variants:
@@ -601,6 +641,20 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
                 runner.release()
             for row in rows:
                 row["preload_kb"] = args.compare_preload
+    for i, spec in enumerate(args.compare_attr):
+        if runner is None or not plan.graphs:
+            break
+        mod, attr, val = parse_attr(spec)
+        prev = getattr(mod, attr)
+        setattr(mod, attr, val)
+        runner.release()
+        try:
+            _retime(engine, rows, prompts, args, f"decode_ms_attr{i}", f"attr{i}", spec, name, log)
+        finally:
+            setattr(mod, attr, prev)
+            runner.release()
+        for row in rows:
+            row[f"attr{i}"] = spec
     if args.compare_cublas and runner is not None and plan.graphs:
         from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
         runner.model.planner = LinearPlanner(fixed=CUBLAS)
@@ -663,6 +717,8 @@ def main(args: argparse.Namespace) -> int:
     if what != "rollout":
         raise TLTError(f"bench {what}: not implemented yet (available: bench rollout, bench spec)")
     opts = parse_args(list(getattr(args, "extra", []) or []))
+    for spec in opts.compare_attr:
+        parse_attr(spec)  # a typo fails now, not after the first shape's timings
     plan = _plan(opts)
     shapes = (opts.shapes or ("1.5b,7b" if plan.device.type == "cuda" else "tiny")).split(",")
     for s in shapes:
@@ -747,6 +803,7 @@ def main(args: argparse.Namespace) -> int:
                      "compare_merge": opts.compare_merge,
                      "compare_split_min": opts.compare_split_min,
                      "compare_preload_kb": opts.compare_preload,
+                     "compare_attr": opts.compare_attr,
                      "seed": opts.seed},
         "bandwidth": bw,
         "definitions": {
@@ -775,6 +832,9 @@ def main(args: argparse.Namespace) -> int:
             "decode_ms_preload": "decode_ms (with PDL) with up to preload_kb KB of each projection "
                                  "program's weight tiles loaded before its PDL wait "
                                  "(--compare-preload)",
+            "decode_ms_attrI": "decode_ms with the I-th --compare-attr setting (row attrI "
+                               "names it: MODULE:NAME=VALUE) and every other setting as "
+                               "decode_ms ran",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate",
         },

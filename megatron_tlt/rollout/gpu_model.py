@@ -118,6 +118,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+NORM_WARPS: int | None = None
+"""Warps of an _rms_norm_kernel program (None: 4 up to 2048 columns, else 8). Read at each
+launch, so an A/B run can set it (bench rollout --compare-attr
+megatron_tlt.rollout.gpu_model:NORM_WARPS=8; graphs recaptured)."""
+ROPE_ATTENTION_WARPS = 4
+"""Warps of a _rope_attention_kernel program (read at each launch, as NORM_WARPS)."""
+
+
 def _planes(x: torch.Tensor) -> torch.Tensor:
     """[T, N] -> [1, T, N]; partial-sum planes [S, T, N] pass through."""
     return x.unsqueeze(0) if x.dim() == 2 else x
@@ -148,7 +156,7 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
                            float(eps), N=n, BLOCK=block, S=s,
                            HAS_RESIDUAL=residual is not None or sum_out is not None,
                            HAS_BIAS=bias is not None, RES_READ=sum_out is None,
-                           num_warps=4 if block <= 2048 else 8, **pdl.kwargs())
+                           num_warps=NORM_WARPS or (4 if block <= 2048 else 8), **pdl.kwargs())
     return out
 
 
@@ -507,7 +515,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
-        num_warps=4, num_stages=2, **pdl.kwargs())
+        num_warps=ROPE_ATTENTION_WARPS, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -459,6 +459,12 @@ _alone) at the price of tiles run one after another in one program; session 25 t
 0.88x-0.91x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96x-0.97x on
 the 7B shape, 0.97x-1.02x at batch 32, so it stays 1."""
 MAX_MERGE_TILES = 1 << 16
+ATTENTION_WARPS = 4
+"""Warps of a _paged_attention_kernel program (read at each launch, so an A/B run can set
+it: bench rollout --compare-attr megatron_tlt.rollout.triton_attention:ATTENTION_WARPS=8;
+graphs recaptured)."""
+COMBINE_WARPS = 4
+"""Warps of a _combine_kernel program (read at each launch, as ATTENTION_WARPS)."""
 _locks: dict[torch.device, torch.Tensor] = {}
 
 
@@ -579,7 +585,7 @@ def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool)
         po, pm, pl, out, context_lens, po.stride(0), po.stride(1), po.stride(2),
         pm.stride(0), pm.stride(1), out.stride(0), out.stride(1), context_lens.stride(0),
         s, S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=d, D_PAD=max(16, _next_pow2(d)), BLOCK_N=block_n,
-        DECODE=decode, MIN_TILES=_MIN_TILES, num_warps=4, **pdl.kwargs())
+        DECODE=decode, MIN_TILES=_MIN_TILES, num_warps=COMBINE_WARPS, **pdl.kwargs())
 
 
 def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
@@ -660,8 +666,8 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES, num_warps=4,
-        num_stages=2, **pdl.kwargs())
+        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES,
+        num_warps=ATTENTION_WARPS, num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -25,7 +25,8 @@ def _run(tmp_path, *extra) -> dict:
 def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
                   "--compare-pdl", "--compare-fused-rope", "--compare-merge", "--compare-split-min",
-                  "--compare-preload", "64")
+                  "--compare-preload", "64", "--compare-attr",
+                  "megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
     for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
         assert key in report
     assert report["errors"] == []
@@ -35,6 +36,8 @@ def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     assert report["settings"]["compare_fused_rope"] is True and report["settings"]["compare_merge"] is True
     assert report["settings"]["compare_split_min"] is True
     assert report["settings"]["compare_preload_kb"] == 64
+    assert report["settings"]["compare_attr"] == ["megatron_tlt.rollout.gpu_model:NORM_WARPS=8"]
+    assert all("decode_ms_attr0" not in r for r in report["results"])  # no graphs on CPU
     assert all("decode_ms_split_min" not in r for r in report["results"])
     assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None
                for r in report["results"])
@@ -80,6 +83,31 @@ def test_variant_table_sets_the_ab_timings_side_by_side():
     assert head.split() == ["shape", "B", "decode_ms", "fused_rope_ms", "merge_in_kernel_ms"]
     assert one.split() == ["1.5b", "1", "1.500", "1.200", "(1.250x)", "-", "(-x)"]
     assert eight.split() == ["1.5b", "8", "1.600", "-", "(-x)", "2.000", "(0.800x)"]
+
+
+def test_compare_attr_parses_and_titles_its_column():
+    from megatron_tlt.bench import parse_attr, variant_table
+    from megatron_tlt.rollout import gpu_model
+    mod, name, val = parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
+    assert mod is gpu_model and name == "NORM_WARPS" and val == 8
+    assert parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=None")[2] is None
+    rows = [{"shape": "1.5b", "batch": 1, "decode_ms": 1.5, "decode_ms_attr0": 1.0,
+             "attr0": "megatron_tlt.rollout.gpu_model:NORM_WARPS=8", "decode_ms_attr1": 3.0,
+             "attr1": "megatron_tlt.rollout.triton_attention:COMBINE_WARPS=2"}]
+    head, one = variant_table(rows)
+    assert head.split() == ["shape", "B", "decode_ms", "NORM_WARPS=8", "COMBINE_WARPS=2"]
+    assert one.split() == ["1.5b", "1", "1.500", "1.000", "(1.500x)", "3.000", "(0.500x)"]
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("megatron_tlt.rollout.gpu_model:NORM_WARPS", "expected MODULE:NAME=VALUE"),
+    ("megatron_tlt.rollout.gpu_model:NO_SUCH=1", "has no attribute NO_SUCH"),
+    ("megatron_tlt.no_such_module:X=1", "cannot import"),
+    ("megatron_tlt.rollout.gpu_model:NORM_WARPS=eight", "is not a Python literal"),
+])
+def test_compare_attr_bad_spec_fails_before_timing(spec, msg, capsys):
+    assert main(["bench", "rollout", "--device", "cpu", "--compare-attr", spec]) == 2
+    assert msg in capsys.readouterr().err
 
 
 def test_bench_bad_input(tmp_path, capsys):
