@@ -120,8 +120,9 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-attr", action="append", default=[], metavar="MODULE:NAME=VALUE",
                    help="also time decode with a module attribute that kernels read at each "
                         "launch set to VALUE (a Python literal), e.g. "
-                        "megatron_tlt.rollout.gpu_model:NORM_WARPS=8; repeatable, each timed on "
-                        "its own against the defaults (graphs recaptured)")
+                        "megatron_tlt.rollout.gpu_model:NORM_WARPS=8; several joined by ';' are "
+                        "set together; repeatable, each timed on its own against the defaults "
+                        "(graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -431,6 +432,12 @@ _VARIANTS = {  # row key of an A/B timing -> its column title
     "decode_ms_cublas": "cublas_ms"}
 
 
+def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
+    """--compare-attr's 'MODULE:NAME=VALUE[;MODULE:NAME=VALUE...]' (several settings timed
+    together) -> [(module, NAME, VALUE)] (parse_attr each)."""
+    return [parse_attr(one.strip()) for one in spec.split(";") if one.strip()] or [parse_attr(spec)]
+
+
 def parse_attr(spec: str) -> tuple[object, str, object]:
     """'MODULE:NAME=VALUE' (--compare-attr) -> (the imported module, NAME, the literal
     VALUE); a clear error when the module or attribute does not exist or VALUE is not a
@@ -466,7 +473,7 @@ def variant_table(rows: list[dict]) -> list[str]:
     titles = dict(_VARIANTS)
     for k in _attr_keys(rows):  # --compare-attr: titled NAME=VALUE
         spec = next((r.get("attr" + k[len("decode_ms_attr"):]) for r in rows), None) or k
-        titles[k] = spec.rpartition(":")[2][:24]
+        titles[k] = ";".join(one.rpartition(":")[2] for one in spec.split(";"))[:24]
     variants = [k for k in titles if any(r.get(k) is not None for r in rows)]
     if not variants:
         return []
@@ -644,14 +651,16 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     for i, spec in enumerate(args.compare_attr):
         if runner is None or not plan.graphs:
             break
-        mod, attr, val = parse_attr(spec)
-        prev = getattr(mod, attr)
-        setattr(mod, attr, val)
+        sets = parse_attrs(spec)
+        prev = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
+        for mod, attr, val in sets:
+            setattr(mod, attr, val)
         runner.release()
         try:
             _retime(engine, rows, prompts, args, f"decode_ms_attr{i}", f"attr{i}", spec, name, log)
         finally:
-            setattr(mod, attr, prev)
+            for mod, attr, val in reversed(prev):
+                setattr(mod, attr, val)
             runner.release()
         for row in rows:
             row[f"attr{i}"] = spec
@@ -718,7 +727,7 @@ def main(args: argparse.Namespace) -> int:
         raise TLTError(f"bench {what}: not implemented yet (available: bench rollout, bench spec)")
     opts = parse_args(list(getattr(args, "extra", []) or []))
     for spec in opts.compare_attr:
-        parse_attr(spec)  # a typo fails now, not after the first shape's timings
+        parse_attrs(spec)  # a typo fails now, not after the first shape's timings
     plan = _plan(opts)
     shapes = (opts.shapes or ("1.5b,7b" if plan.device.type == "cuda" else "tiny")).split(",")
     for s in shapes:

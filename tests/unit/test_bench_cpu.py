@@ -86,16 +86,21 @@ def test_variant_table_sets_the_ab_timings_side_by_side():
 
 
 def test_compare_attr_parses_and_titles_its_column():
-    from megatron_tlt.bench import parse_attr, variant_table
+    from megatron_tlt.bench import parse_attr, parse_attrs, variant_table
     from megatron_tlt.rollout import gpu_model
     mod, name, val = parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
     assert mod is gpu_model and name == "NORM_WARPS" and val == 8
     assert parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=None")[2] is None
+    both = parse_attrs("megatron_tlt.rollout.gpu_model:NORM_WARPS=2; "
+                       "megatron_tlt.rollout.triton_attention:_MIN_TILES=4")
+    assert [(n, v) for _, n, v in both] == [("NORM_WARPS", 2), ("_MIN_TILES", 4)]
     rows = [{"shape": "1.5b", "batch": 1, "decode_ms": 1.5, "decode_ms_attr0": 1.0,
              "attr0": "megatron_tlt.rollout.gpu_model:NORM_WARPS=8", "decode_ms_attr1": 3.0,
-             "attr1": "megatron_tlt.rollout.triton_attention:COMBINE_WARPS=2"}]
+             "attr1": "megatron_tlt.rollout.triton_attention:COMBINE_WARPS=2;"
+                      "megatron_tlt.rollout.triton_attention:_MIN_TILES=4"}]
     head, one = variant_table(rows)
-    assert head.split() == ["shape", "B", "decode_ms", "NORM_WARPS=8", "COMBINE_WARPS=2"]
+    assert head.split() == ["shape", "B", "decode_ms", "NORM_WARPS=8",
+                            "COMBINE_WARPS=2;_MIN_TILES=4"[:24]]
     assert one.split() == ["1.5b", "1", "1.500", "1.000", "(1.500x)", "3.000", "(0.500x)"]
 
 
@@ -104,6 +109,8 @@ def test_compare_attr_parses_and_titles_its_column():
     ("megatron_tlt.rollout.gpu_model:NO_SUCH=1", "has no attribute NO_SUCH"),
     ("megatron_tlt.no_such_module:X=1", "cannot import"),
     ("megatron_tlt.rollout.gpu_model:NORM_WARPS=eight", "is not a Python literal"),
+    ("megatron_tlt.rollout.gpu_model:NORM_WARPS=8;megatron_tlt.rollout.gpu_model:X=1",
+     "has no attribute X"),
 ])
 def test_compare_attr_bad_spec_fails_before_timing(spec, msg, capsys):
     assert main(["bench", "rollout", "--device", "cpu", "--compare-attr", spec]) == 2
