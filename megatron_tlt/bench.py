@@ -120,7 +120,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-attr", action="append", default=[], metavar="MODULE:NAME=VALUE",
                    help="also time decode with a module attribute that kernels read at each "
                         "launch set to VALUE (a Python literal), e.g. "
-                        "megatron_tlt.rollout.gpu_model:NORM_WARPS=8; several joined by ';' are "
+                        "megatron_tlt.rollout.gpu_model:NORM_WARPS=8, or env:NAME=VALUE for an "
+                        "environment variable read at each forward; several joined by ';' are "
                         "set together; repeatable, each timed on its own against the defaults "
                         "(graphs recaptured)")
     p.add_argument("--hf-shapes", default="1.5b,tiny", help="shapes that get the HF baseline")
@@ -438,14 +439,31 @@ def parse_attrs(spec: str) -> list[tuple[object, str, object]]:
     return [parse_attr(one.strip()) for one in spec.split(";") if one.strip()] or [parse_attr(spec)]
 
 
+class _Environ:
+    """--compare-attr's `env:NAME=VALUE`: an environment variable (for settings read at
+    each forward, e.g. MEGATRON_TLT_PDL_PREFETCH_MB) behind the module-attribute protocol;
+    None stands for unset."""
+
+    def __getattr__(self, name):
+        return os.environ.get(name)
+
+    def __setattr__(self, name, value):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+
+
 def parse_attr(spec: str) -> tuple[object, str, object]:
     """'MODULE:NAME=VALUE' (--compare-attr) -> (the imported module, NAME, the literal
-    VALUE); a clear error when the module or attribute does not exist or VALUE is not a
-    Python literal."""
+    VALUE); 'env:NAME=VALUE' sets an environment variable (VALUE as written). A clear
+    error when the module or attribute does not exist or VALUE is not a Python literal."""
     target, sep, value = spec.partition("=")
     mod_name, colon, attr = target.partition(":")
     if not sep or not colon or not mod_name or not attr:
         raise TLTError(f"bench rollout: --compare-attr {spec!r}: expected MODULE:NAME=VALUE")
+    if mod_name == "env":
+        return _Environ(), attr, value
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:

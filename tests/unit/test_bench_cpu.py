@@ -91,6 +91,14 @@ def test_compare_attr_parses_and_titles_its_column():
     mod, name, val = parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
     assert mod is gpu_model and name == "NORM_WARPS" and val == 8
     assert parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=None")[2] is None
+    env, name, val = parse_attr("env:MEGATRON_TLT_TEST_KNOB=32")
+    assert (name, val) == ("MEGATRON_TLT_TEST_KNOB", "32")
+    setattr(env, name, val)
+    try:
+        assert os.environ["MEGATRON_TLT_TEST_KNOB"] == "32" and getattr(env, name) == "32"
+    finally:
+        setattr(env, name, None)
+    assert "MEGATRON_TLT_TEST_KNOB" not in os.environ and getattr(env, name) is None
     both = parse_attrs("megatron_tlt.rollout.gpu_model:NORM_WARPS=2; "
                        "megatron_tlt.rollout.triton_attention:_MIN_TILES=4")
     assert [(n, v) for _, n, v in both] == [("NORM_WARPS", 2), ("_MIN_TILES", 4)]
