@@ -25,8 +25,7 @@ def _run(tmp_path, *extra) -> dict:
 def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
                   "--compare-pdl", "--compare-fused-rope", "--compare-merge", "--compare-split-min",
-                  "--compare-preload", "64", "--compare-attr",
-                  "megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
+                  "--compare-preload", "64", "--compare-attr", "env:MEGATRON_TLT_TEST_KNOB=8")
     for key in ("command", "git_revision", "torch", "triton", "device", "bandwidth", "results", "hf"):
         assert key in report
     assert report["errors"] == []
@@ -36,7 +35,7 @@ def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     assert report["settings"]["compare_fused_rope"] is True and report["settings"]["compare_merge"] is True
     assert report["settings"]["compare_split_min"] is True
     assert report["settings"]["compare_preload_kb"] == 64
-    assert report["settings"]["compare_attr"] == ["megatron_tlt.rollout.gpu_model:NORM_WARPS=8"]
+    assert report["settings"]["compare_attr"] == ["env:MEGATRON_TLT_TEST_KNOB=8"]
     assert all("decode_ms_attr0" not in r for r in report["results"])  # no graphs on CPU
     assert all("decode_ms_split_min" not in r for r in report["results"])
     assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None
@@ -87,10 +86,10 @@ def test_variant_table_sets_the_ab_timings_side_by_side():
 
 def test_compare_attr_parses_and_titles_its_column():
     from megatron_tlt.bench import parse_attr, parse_attrs, variant_table
-    from megatron_tlt.rollout import gpu_model
-    mod, name, val = parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=8")
-    assert mod is gpu_model and name == "NORM_WARPS" and val == 8
-    assert parse_attr("megatron_tlt.rollout.gpu_model:NORM_WARPS=None")[2] is None
+    from megatron_tlt.rollout import pdl  # imports without triton (CI has none)
+    mod, name, val = parse_attr("megatron_tlt.rollout.pdl:_preload=8")
+    assert mod is pdl and name == "_preload" and val == 8
+    assert parse_attr("megatron_tlt.rollout.pdl:_preload=None")[2] is None
     env, name, val = parse_attr("env:MEGATRON_TLT_TEST_KNOB=32")
     assert (name, val) == ("MEGATRON_TLT_TEST_KNOB", "32")
     setattr(env, name, val)
@@ -99,9 +98,8 @@ def test_compare_attr_parses_and_titles_its_column():
     finally:
         setattr(env, name, None)
     assert "MEGATRON_TLT_TEST_KNOB" not in os.environ and getattr(env, name) is None
-    both = parse_attrs("megatron_tlt.rollout.gpu_model:NORM_WARPS=2; "
-                       "megatron_tlt.rollout.triton_attention:_MIN_TILES=4")
-    assert [(n, v) for _, n, v in both] == [("NORM_WARPS", 2), ("_MIN_TILES", 4)]
+    both = parse_attrs("megatron_tlt.rollout.pdl:_preload=2; megatron_tlt.rollout.pdl:_active=True")
+    assert [(n, v) for _, n, v in both] == [("_preload", 2), ("_active", True)]
     rows = [{"shape": "1.5b", "batch": 1, "decode_ms": 1.5, "decode_ms_attr0": 1.0,
              "attr0": "megatron_tlt.rollout.gpu_model:NORM_WARPS=8", "decode_ms_attr1": 3.0,
              "attr1": "megatron_tlt.rollout.triton_attention:COMBINE_WARPS=2;"
@@ -113,12 +111,11 @@ def test_compare_attr_parses_and_titles_its_column():
 
 
 @pytest.mark.parametrize("spec,msg", [
-    ("megatron_tlt.rollout.gpu_model:NORM_WARPS", "expected MODULE:NAME=VALUE"),
-    ("megatron_tlt.rollout.gpu_model:NO_SUCH=1", "has no attribute NO_SUCH"),
+    ("megatron_tlt.rollout.pdl:_preload", "expected MODULE:NAME=VALUE"),
+    ("megatron_tlt.rollout.pdl:NO_SUCH=1", "has no attribute NO_SUCH"),
     ("megatron_tlt.no_such_module:X=1", "cannot import"),
-    ("megatron_tlt.rollout.gpu_model:NORM_WARPS=eight", "is not a Python literal"),
-    ("megatron_tlt.rollout.gpu_model:NORM_WARPS=8;megatron_tlt.rollout.gpu_model:X=1",
-     "has no attribute X"),
+    ("megatron_tlt.rollout.pdl:_preload=eight", "is not a Python literal"),
+    ("megatron_tlt.rollout.pdl:_preload=8;megatron_tlt.rollout.pdl:X=1", "has no attribute X"),
 ])
 def test_compare_attr_bad_spec_fails_before_timing(spec, msg, capsys):
     assert main(["bench", "rollout", "--device", "cpu", "--compare-attr", spec]) == 2
