@@ -46,7 +46,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
                                                    attention_merge_in_kernel, block_n_for,
-                                                   combine_splits, paged_attention, split_buffers,
+                                                   combine_splits, decode_warps, paged_attention,
+                                                   split_buffers,
                                                    split_min_tiles, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
@@ -119,11 +120,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
 
 
 NORM_WARPS: int | None = None
-"""Warps of an _rms_norm_kernel program (None: 4 up to 2048 columns, else 8). Read at each
-launch, so an A/B run can set it (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:NORM_WARPS=8; graphs recaptured)."""
-ROPE_ATTENTION_WARPS = 4
-"""Warps of a _rope_attention_kernel program (read at each launch, as NORM_WARPS)."""
+"""Warps of an _rms_norm_kernel program; None: one per 128 columns of the padded row,
+between 4 and 16 (16 for the 1.5B and 7B shapes' 1536 and 3584 columns; until session 26
+it was 4 up to 2048 columns, else 8: 16 was 1.018x-1.029x faster at the 1.5B shape, batch
+1 / 8 / 32, and 1.002x-1.008x at the 7B shape, H100, bench rollout --compare-attr,
+benchmarks/results/gpu_2026-12-06_session26). Read at each launch, so an A/B run can set
+it (--compare-attr megatron_tlt.rollout.gpu_model:NORM_WARPS=4; graphs recaptured)."""
+ROPE_ATTENTION_WARPS: int | None = None
+"""Warps of a _rope_attention_kernel program; None: triton_attention.decode_warps in
+decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read at each
+launch, as NORM_WARPS."""
 
 
 def _planes(x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +162,7 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
                            float(eps), N=n, BLOCK=block, S=s,
                            HAS_RESIDUAL=residual is not None or sum_out is not None,
                            HAS_BIAS=bias is not None, RES_READ=sum_out is None,
-                           num_warps=NORM_WARPS or (4 if block <= 2048 else 8), **pdl.kwargs())
+                           num_warps=NORM_WARPS or min(16, max(4, block // 128)), **pdl.kwargs())
     return out
 
 
@@ -501,7 +507,10 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     sp = num_splits > 1
     block_n = block_n_for(k_cache.dtype)
     qs = query_start if query_start is not None else context_lens
-    _rope_attention_kernel[(bsz, kvh, row_tiles * num_splits)](
+    grid = (bsz, kvh, row_tiles * num_splits)
+    warps = ROPE_ATTENTION_WARPS or (decode_warps(bsz * kvh * row_tiles * num_splits, qkv.device)
+                                     if mode == MODE_DECODE else 4)
+    _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
@@ -515,7 +524,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
-        num_warps=ROPE_ATTENTION_WARPS, num_stages=2, **pdl.kwargs())
+        num_warps=warps, num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

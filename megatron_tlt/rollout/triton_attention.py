@@ -459,10 +459,10 @@ _alone) at the price of tiles run one after another in one program; session 25 t
 0.88x-0.91x of the 1-tile rule's speed at batch 1 and 8 on the 1.5B shape, 0.96x-0.97x on
 the 7B shape, 0.97x-1.02x at batch 32, so it stays 1."""
 MAX_MERGE_TILES = 1 << 16
-ATTENTION_WARPS = 4
-"""Warps of a _paged_attention_kernel program (read at each launch, so an A/B run can set
-it: bench rollout --compare-attr megatron_tlt.rollout.triton_attention:ATTENTION_WARPS=8;
-graphs recaptured)."""
+ATTENTION_WARPS: int | None = None
+"""Warps of a _paged_attention_kernel program; None: decode_warps in decode, else 4. Read
+at each launch, so an A/B run can set it (bench rollout --compare-attr
+megatron_tlt.rollout.triton_attention:ATTENTION_WARPS=4; graphs recaptured)."""
 COMBINE_WARPS = 4
 """Warps of a _combine_kernel program (read at each launch, as ATTENTION_WARPS)."""
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -526,11 +526,26 @@ def block_n_for(dtype: torch.dtype) -> int:
     return 64 if torch.empty((), dtype=dtype).element_size() <= 2 else 32
 
 
+_SMS: dict[torch.device, int] = {}
+
+
 def num_sms(device: torch.device | str) -> int:
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def decode_warps(programs: int, device: torch.device | str) -> int:
+    """Warps of a decode attention program (the paged and the fused RoPE kernel alike, so
+    the two stay bit for bit the same): 8 while the grid has at most one program per SM,
+    else 4. Timed on an H100 in session 26 (bench rollout --compare-attr, 1.5B / 7B shapes,
+    batch 1 / 8 / 32; benchmarks/results/gpu_2026-12-06_session26): 8 warps were 1.008x-
+    1.029x faster where the grid had fewer programs than SMs (1.5B batch 1 and 8, 7B batch
+    1) and 0.949x-0.990x where it had more."""
+    return 8 if programs <= num_sms(device) else 4
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
@@ -667,7 +682,9 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES,
-        num_warps=ATTENTION_WARPS, num_stages=2, **pdl.kwargs())
+        num_warps=ATTENTION_WARPS or (decode_warps(grid[0] * grid[1] * grid[2], q.device)
+                                      if mode == MODE_DECODE else 4),
+        num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out
