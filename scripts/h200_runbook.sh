@@ -50,6 +50,10 @@
 #             decode K/V from registers, loads before the PDL wait): their GPU tests, bench
 #             rollout --compare-split-min --compare-merge with PDL on and off, then
 #             tests/gpu/test_spec_gpu.py (random weights, no target needed; a 600 s call)
+#   warps     session 26's warps (decode attention 8 while its grid has <= 1 program per SM,
+#             RMSNorm up to 16): the attention kernels' bit-exactness GPU tests and
+#             tests/gpu/test_spec_gpu.py with them, then bench rollout against the old warps
+#             side by side (--compare-attr; random weights, no target needed; a 600 s call)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -227,12 +231,35 @@ case "$STAGE" in
       echo "[runbook] splits spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
       tail -n 4 "$RESULTS/gpu_tests_splits_spec.log"
     fi ;;
+  warps)
+    # Session 26: decode attention with 8 warps while its grid has at most one program per
+    # SM (triton_attention.decode_warps, paged and fused kernels alike) and RMSNorm with one
+    # warp per 128 columns up to 16. Timed on two H100s only, and its bit-exactness tests
+    # (fused == separate kernels, graphs, PDL, speculative decoding) not yet run on a GPU:
+    # those first, then bench rollout against the old warps side by side (the first
+    # --compare-attr is the old setting of the 1.5B shape, the second of the 7B).
+    timeout "$(upto 300)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        -k "rope or split_merge or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
+        > "$RESULTS/gpu_tests_warps.log" 2>&1
+    echo "[runbook] warps tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_warps.log"
+    timeout "$(upto 150)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py \
+        > "$RESULTS/gpu_tests_warps_spec.log" 2>&1
+    echo "[runbook] warps spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 4 "$RESULTS/gpu_tests_warps_spec.log"
+    G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
+    timeout "$(upto 5)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_warps.json" \
+        --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
+        --compare-attr "$G:NORM_WARPS=4;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" \
+        --compare-attr "$G:NORM_WARPS=8;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" 2>&1 \
+        | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+    echo "[runbook] warps bench: rc=$? at $(( $(date +%s) - t0 )) s" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps gputests)" ;;
 esac
 exit 0

@@ -132,6 +132,11 @@ decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read 
 launch, as NORM_WARPS."""
 
 
+def norm_warps(block: int) -> int:
+    """_rms_norm_kernel's warps for a row padded to `block` columns (NORM_WARPS unset)."""
+    return min(16, max(4, block // 128))
+
+
 def _planes(x: torch.Tensor) -> torch.Tensor:
     """[T, N] -> [1, T, N]; partial-sum planes [S, T, N] pass through."""
     return x.unsqueeze(0) if x.dim() == 2 else x
@@ -162,7 +167,7 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
                            float(eps), N=n, BLOCK=block, S=s,
                            HAS_RESIDUAL=residual is not None or sum_out is not None,
                            HAS_BIAS=bias is not None, RES_READ=sum_out is None,
-                           num_warps=NORM_WARPS or min(16, max(4, block // 128)), **pdl.kwargs())
+                           num_warps=NORM_WARPS or norm_warps(block), **pdl.kwargs())
     return out
 
 

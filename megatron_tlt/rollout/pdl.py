@@ -25,9 +25,12 @@ Weight prefetch: what a projection kernel can do while it waits is ask L2 for it
 weight slab (`prefetch.global.L2`, triton_linear._prefetch_slab), so the HBM reads of the
 next projection start under the tail of the kernel before it. Weights are never written
 during a forward, and a prefetch reads nothing into registers (L2 is the device's point
-of coherence), so it cannot change a result. Opt-in until timed on a GPU:
-MEGATRON_TLT_PDL_PREFETCH_MB=32 prefetches for projections of at most 32 MB of weights
-(so the slabs asked for early fit in L2 beside the running kernel's); 0, the default, off.
+of coherence), so it cannot change a result. Opt-in: MEGATRON_TLT_PDL_PREFETCH_MB=32
+prefetches for projections of at most 32 MB of weights (so the slabs asked for early fit
+in L2 beside the running kernel's); 0, the default, off. Timed side by side in session 26
+(H100, bench rollout --compare-attr env:MEGATRON_TLT_PDL_PREFETCH_MB=N, 1.5B / 7B shapes,
+batch 1 / 8 / 32): 16 MB 0.99x-1.00x, 32 MB 0.94x-1.00x, 64 MB 0.91x-1.00x of the speed
+without, so it stays off.
 
 Weight preload: MEGATRON_TLT_PDL_PRELOAD_KB=N (opt-in, default 0) goes further: a
 projection program loads the first of its weight tiles, up to 4 and N KB, into registers

@@ -101,6 +101,35 @@ def test_paged_attention_matches_reference(name, ctx, n_new, kw, splits, one_til
     assert rel_err(out, ref) < TOL, f"{name} splits={splits}: error {rel_err(out, ref):.2e}"
 
 
+def test_launch_warps_rules(monkeypatch):
+    """Session 26's warps: decode attention 8 while the grid has at most one program per SM
+    (CPU counts 4 SMs), else 4; RMSNorm one warp per 128 padded columns, 4 to 16. A spy on
+    the launch sees paged_attention pass the rule's warps, and the module knob instead
+    once set (read at each launch)."""
+    from megatron_tlt.rollout import gpu_model
+    from megatron_tlt.rollout import triton_attention as ta
+    cpu = torch.device("cpu")
+    assert [ta.decode_warps(p, cpu) for p in (1, 4, 5, 64)] == [8, 8, 4, 4]
+    assert [gpu_model.norm_warps(b) for b in (16, 512, 1024, 2048, 4096, 8192)] == [4, 4, 8, 16, 16, 16]
+    q, k, v, meta = paged_case([40], [1])
+    seen = []
+    real = ta._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid, kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ta, "_paged_attention_kernel", Spy())
+    paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=1)
+    paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=3)
+    monkeypatch.setattr(ta, "ATTENTION_WARPS", 2)
+    paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25, num_splits=3)
+    assert seen == [((1, 2, 1), 8), ((1, 2, 3), 4), ((1, 2, 3), 2)]
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
 def test_split_k_merge_in_the_kernel_or_the_combine_kernel(merge, monkeypatch, one_tile_splits):
     """Split-K partials merged by the last split program of each row tile (the default) or
