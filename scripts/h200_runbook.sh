@@ -237,7 +237,9 @@ case "$STAGE" in
     # warp per 128 columns up to 16. Timed on two H100s only, and its bit-exactness tests
     # (fused == separate kernels, graphs, PDL, speculative decoding) not yet run on a GPU:
     # those first, then bench rollout against the old warps side by side (the first
-    # --compare-attr is the old setting of the 1.5B shape, the second of the 7B).
+    # --compare-attr is the old setting of the 1.5B shape, the second of the 7B) and two
+    # untried steps further (RMSNorm 32 warps; attention 16 warps at every grid, which
+    # matters where the grid is small: both compile for sm_90).
     timeout "$(upto 300)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
         -k "rope or split_merge or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
         > "$RESULTS/gpu_tests_warps.log" 2>&1
@@ -251,7 +253,9 @@ case "$STAGE" in
     timeout "$(upto 5)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_warps.json" \
         --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
         --compare-attr "$G:NORM_WARPS=4;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" \
-        --compare-attr "$G:NORM_WARPS=8;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" 2>&1 \
+        --compare-attr "$G:NORM_WARPS=8;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" \
+        --compare-attr "$G:NORM_WARPS=32" \
+        --compare-attr "$G:ROPE_ATTENTION_WARPS=16;$A:ATTENTION_WARPS=16" 2>&1 \
         | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
     echo "[runbook] warps bench: rc=$? at $(( $(date +%s) - t0 )) s" ;;
   gputests)
