@@ -3,7 +3,9 @@ and against Hugging Face `generate`, all measured in one run; a table and a JSON
 
     megatron-tlt bench rollout --json FILE [--shapes 1.5b,7b] [--batch-sizes 1,8,32,128]
         [--steps N] [--repeats R] [--prompt-len P] [--hf-batch-sizes 1,16] [--no-hf]
-        [--hf-modes compiled,eager] [--compare-cublas]
+        [--hf-modes compiled,eager] [--compare-cublas] [--compare-pdl] [--compare-fused-rope]
+        [--compare-merge] [--compare-split-min] [--compare-preload KB]
+        [--compare-attr MODULE:NAME=VALUE[;MODULE:NAME=VALUE...]] ...
 
 Models: Qwen2.5-1.5B- and 7B-shaped bf16 decoders with RANDOM weights built directly on
 the device (`--shapes tiny` is a small model for CPU runs). Every prompt has P tokens and
