@@ -46,8 +46,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
                                                    attention_merge_in_kernel, block_n_for,
-                                                   combine_splits, decode_warps, paged_attention,
-                                                   split_buffers,
+                                                   attention_warps, combine_splits,
+                                                   paged_attention, split_buffers,
                                                    split_min_tiles, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
@@ -513,8 +513,6 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     block_n = block_n_for(k_cache.dtype)
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
-    warps = ROPE_ATTENTION_WARPS or (decode_warps(bsz * kvh * row_tiles * num_splits, qkv.device)
-                                     if mode == MODE_DECODE else 4)
     _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
@@ -529,7 +527,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
-        num_warps=warps, num_stages=2, **pdl.kwargs())
+        num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS), num_stages=2, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -548,6 +548,15 @@ def decode_warps(programs: int, device: torch.device | str) -> int:
     return 8 if programs <= num_sms(device) else 4
 
 
+def attention_warps(grid: tuple[int, int, int], mode: int, device: torch.device | str,
+                    override: int | None) -> int:
+    """An attention launch's warps: `override` (the kernel's module knob) when set, else
+    decode_warps over the grid's programs in decode and 4 otherwise."""
+    if override:
+        return override
+    return decode_warps(grid[0] * grid[1] * grid[2], device) if mode == MODE_DECODE else 4
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
                       block_n: int = 64, row_tiles: int = 1, max_splits: int = 64,
                       min_tiles: int | None = None) -> int:
@@ -682,8 +691,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES,
-        num_warps=ATTENTION_WARPS or (decode_warps(grid[0] * grid[1] * grid[2], q.device)
-                                      if mode == MODE_DECODE else 4),
+        num_warps=attention_warps(grid, mode, q.device, ATTENTION_WARPS),
         num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
