@@ -77,12 +77,14 @@ def main() -> None:
         print(f"{us:9.1f} us {calls:6.1f}x  {name[:110]}")
     plans = {str(k[:3]): [str(c), round(us, 2)] for k, (c, us) in runner.model.planner.plans.items()}
     print("plans:", plans)
+    fused = {str(k[:5]): [str(c), round(f, 2), round(u, 2)] for k, (c, f, u) in runner.model.planner.fused.items()}
+    print("fused prologues (config or None, fused us, unfused us):", fused)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "batch": a.batch, "context": a.context,
                        "kernel_us_per_step": total, "graph_us_per_step": statistics.median(ts),
                        "kernels": [{"name": r[0], "calls": r[1], "us": r[2]} for r in rows],
-                       "plans": plans, "planner_timings": {str(k[:3]): v for k, v in runner.model.planner.timings.items()}},
+                       "plans": plans, "fused": fused, "planner_timings": {str(k[:3]): v for k, v in runner.model.planner.timings.items()}},
                       f, indent=1)
 
 
