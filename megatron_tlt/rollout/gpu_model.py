@@ -130,6 +130,9 @@ ROPE_ATTENTION_WARPS: int | None = None
 """Warps of a _rope_attention_kernel program; None: triton_attention.decode_warps in
 decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read at each
 launch, as NORM_WARPS."""
+ROPE_ATTENTION_STAGES: int = 2
+"""Software-pipelining stages of the _rope_attention_kernel's key loop (Triton's
+num_stages); read at each launch, as NORM_WARPS (tools/attention_sweep.py times others)."""
 
 
 def norm_warps(block: int) -> int:
@@ -527,7 +530,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
-        num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS), num_stages=2, **pdl.kwargs())
+        num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
+        num_stages=ROPE_ATTENTION_STAGES, **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out
