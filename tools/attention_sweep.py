@@ -130,6 +130,8 @@ def main() -> None:
     variants += [(f"block_n={n}", default_splits, dict(block_n=n)) for n in (16, 32, 128)]
     variants += [(f"splits=1,warps={w}", 1, dict(warps=w)) for w in (2, 8)]
     variants += [(f"splits=1,block_n={n}", 1, dict(block_n=n)) for n in (32, 128)]
+    variants += [(f"splits={s},stages=1", s, dict(stages=1)) for s in (1, 2, 4, 8)]
+    variants += [("splits=1,stages=1,block_n=128", 1, dict(stages=1, block_n=128))]
     ref = None
     rows = []
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
