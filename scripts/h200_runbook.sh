@@ -54,6 +54,12 @@
 #             RMSNorm up to 16): the attention kernels' bit-exactness GPU tests and
 #             tests/gpu/test_spec_gpu.py with them, then bench rollout against the old warps
 #             side by side (--compare-attr; random weights, no target needed; a 600 s call)
+#   attn      session 27's attention settings: bench rollout with one pipelining stage
+#             for one-tile decode splits (the default since session 27) against two, and
+#             split grids capped at 132 / 264 programs (opt-in SPLIT_PROGRAMS) side by side
+#             (--compare-attr; random weights, no target needed), then tools/attention_sweep.py
+#             at the 7B shape, batch 32, and the 1.5B shape, batch 1 (ATTN_PARTS=tests runs
+#             the decode attention GPU tests and tests/gpu/test_spec_gpu.py instead)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -72,6 +78,14 @@ t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 # seconds left minus a reserve for what follows, at least 30 (a negative timeout is an error)
 upto() { local v=$(( $(left) - $1 )); [ "$v" -lt 30 ] && v=30; echo "$v"; }
+# pytest_stage LABEL RESERVE LOG PYTEST_ARGS...: pytest under the stage's time left minus
+# RESERVE, its output in RESULTS/LOG, rc and the last lines printed
+pytest_stage() {
+  local label=$1 reserve=$2 log=$3; shift 3
+  timeout "$(upto "$reserve")" $PY -m pytest -q -p no:cacheprovider "$@" > "$RESULTS/$log" 2>&1
+  echo "[runbook] $label: rc=$? at $(( $(date +%s) - t0 )) s"
+  tail -n 4 "$RESULTS/$log"
+}
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/megatron*.whl > /dev/null 2>&1 || { [ -d /tmp/site/megatron ] || { echo "no megatron-core wheel in .whl"; exit 0; }; }
@@ -240,15 +254,9 @@ case "$STAGE" in
     # --compare-attr is the old setting of the 1.5B shape, the second of the 7B) and two
     # untried steps further (RMSNorm 32 warps; attention 16 warps at every grid, which
     # matters where the grid is small: both compile for sm_90).
-    timeout "$(upto 300)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-        -k "rope or split_merge or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model" \
-        > "$RESULTS/gpu_tests_warps.log" 2>&1
-    echo "[runbook] warps tests: rc=$? at $(( $(date +%s) - t0 )) s"
-    tail -n 4 "$RESULTS/gpu_tests_warps.log"
-    timeout "$(upto 150)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py \
-        > "$RESULTS/gpu_tests_warps_spec.log" 2>&1
-    echo "[runbook] warps spec tests: rc=$? at $(( $(date +%s) - t0 )) s"
-    tail -n 4 "$RESULTS/gpu_tests_warps_spec.log"
+    pytest_stage "warps tests" 300 gpu_tests_warps.log tests/gpu/test_engine_gpu.py \
+        -k "rope or split_merge or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model"
+    pytest_stage "warps spec tests" 150 gpu_tests_warps_spec.log tests/gpu/test_spec_gpu.py
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
     timeout "$(upto 5)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_warps.json" \
         --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
@@ -258,6 +266,28 @@ case "$STAGE" in
         --compare-attr "$G:ROPE_ATTENTION_WARPS=16;$A:ATTENTION_WARPS=16" 2>&1 \
         | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
     echo "[runbook] warps bench: rc=$? at $(( $(date +%s) - t0 )) s" ;;
+  attn)
+    G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
+    if [ "${ATTN_PARTS:-bench}" = tests ]; then
+      pytest_stage "attn tests" 200 gpu_tests_attn.log tests/gpu/test_engine_gpu.py \
+          -k "rope_attention or fused_rope or split_merge or negative_control or cuda_graph_decode or pdl_decode"
+      pytest_stage "attn spec tests" 5 gpu_tests_attn_spec.log tests/gpu/test_spec_gpu.py
+    else
+      timeout "$(upto 120)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_attn.json" \
+          --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
+          --compare-attr "$G:ROPE_ATTENTION_STAGES=2" \
+          --compare-attr "$A:SPLIT_PROGRAMS=132" \
+          --compare-attr "$A:SPLIT_PROGRAMS=264" 2>&1 \
+          | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+      echo "[runbook] attn bench: rc=$? at $(( $(date +%s) - t0 )) s"
+      for sb in "7b 32 2" "1.5b 1 1"; do
+        set -- $sb
+        timeout "$(upto 5)" $PY tools/attention_sweep.py --shape "$1" --batch "$2" --planes "$3" \
+            --json "$RESULTS/attn_sweep_$1_b$2.json" 2>&1 | grep -E "us/call|failed|rror" \
+            | grep -E "^(default|splits=1 |splits=4 |stages=|splits=1,stages=1 )|failed|rror"
+      done
+      echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
+    fi ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \

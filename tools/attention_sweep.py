@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_tlt.bench import SHAPES
+from megatron_tlt.bench import SHAPES, _git_revision
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import gpu_model, triton_attention
 from megatron_tlt.rollout.model import rope_table
@@ -157,7 +158,8 @@ def main() -> None:
               f"{base / us:6.3f}x  max|diff| {diff:.3g}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": a.shape, "batch": a.batch, "context": a.context, "max_context": max_ctx,
+            json.dump({"command": " ".join(["python", *sys.argv]), "git_revision": _git_revision(),
+                       "shape": a.shape, "batch": a.batch, "context": a.context, "max_context": max_ctx,
                        "default_splits": default_splits, "layers": a.layers, "planes": a.planes,
                        "device": torch.cuda.get_device_name(), "empty_kernel_us": floor,
                        "kv_bytes_per_call": kv_bytes, "rows": rows}, f, indent=1)

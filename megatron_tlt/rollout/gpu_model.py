@@ -45,7 +45,7 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
-                                                   attention_merge_in_kernel, block_n_for,
+                                                   attention_merge_in_kernel, block_n_for, decode_stages,
                                                    attention_warps, combine_splits,
                                                    paged_attention, split_buffers,
                                                    split_min_tiles, split_strides)
@@ -130,9 +130,12 @@ ROPE_ATTENTION_WARPS: int | None = None
 """Warps of a _rope_attention_kernel program; None: triton_attention.decode_warps in
 decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read at each
 launch, as NORM_WARPS."""
-ROPE_ATTENTION_STAGES: int = 2
+ROPE_ATTENTION_STAGES: int | None = None
 """Software-pipelining stages of the _rope_attention_kernel's key loop (Triton's
-num_stages); read at each launch, as NORM_WARPS (tools/attention_sweep.py times others)."""
+num_stages); None: triton_attention.decode_stages in decode (1 while a split of the
+longest context, block_tables' width, holds one key tile, else 2), 2 in the verify (2
+everywhere until session 27). Read at each launch, as NORM_WARPS (tools/attention_sweep.py
+times others)."""
 
 
 def norm_warps(block: int) -> int:
@@ -531,7 +534,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
-        num_stages=ROPE_ATTENTION_STAGES, **pdl.kwargs())
+        num_stages=ROPE_ATTENTION_STAGES or (
+            decode_stages(block_tables.shape[1] * page, num_splits, block_n, split_min_tiles())
+            if mode == MODE_DECODE else 2), **pdl.kwargs())
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
     return out

@@ -548,6 +548,19 @@ def decode_warps(programs: int, device: torch.device | str) -> int:
     return 8 if programs <= num_sms(device) else 4
 
 
+def decode_stages(max_context: int, num_splits: int, block_n: int, min_tiles: int = 1) -> int:
+    """Software-pipelining stages of the fused decode attention's key loop (its first tile
+    is loaded before the loop): 1 while a split of the longest context holds at most one
+    key tile, else 2. Session 27's sweep (tools/attention_sweep.py, H100, 28 layers of
+    per-layer caches, benchmarks/results/gpu_2026-12-06_session27): with one-tile splits,
+    1 stage took 1.07x-1.12x less time per call than 2 at the 1.5B and 7B shapes, batch
+    1 / 8 / 32 (the same output bit for bit: pipelining reorders loads, not arithmetic);
+    with 4-tile splits 0.93x-0.96x, so longer splits keep 2."""
+    chunk = -(-max_context // max(1, num_splits))  # keys per split, before tile rounding
+    tiles = max(-(-chunk // block_n), int(min_tiles))
+    return 1 if tiles <= 1 else 2
+
+
 def attention_warps(grid: tuple[int, int, int], mode: int, device: torch.device | str,
                     override: int | None) -> int:
     """An attention launch's warps: `override` (the kernel's module knob) when set, else
@@ -557,15 +570,28 @@ def attention_warps(grid: tuple[int, int, int], mode: int, device: torch.device 
     return decode_warps(grid[0] * grid[1] * grid[2], device) if mode == MODE_DECODE else 4
 
 
+SPLIT_PROGRAMS: int | None = None
+"""The most programs a split-K grid may have: choose_num_splits takes the largest split
+count whose grid stays within it (at least 1). None (the default): about two programs
+per SM, rounded up. Session 27's sweep (tools/attention_sweep.py, H100, bench rollout's
+contexts, benchmarks/results/gpu_2026-12-06_session27) timed the fused decode attention
+1.37x faster per call at the 7B shape, batch 32, with one split (128 programs) than with
+the default three (384), and 1.11x at batch 8 with four (128) than with five; not yet
+timed over whole decode steps, hence not the default. Read at each choice, so an A/B run
+can set it (bench rollout --compare-attr
+megatron_tlt.rollout.triton_attention:SPLIT_PROGRAMS=132; graphs recaptured)."""
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
                       block_n: int = 64, row_tiles: int = 1, max_splits: int = 64,
                       min_tiles: int | None = None) -> int:
-    """Splits so that about two programs per SM exist, never more than the context has
-    splits of `min_tiles` BLOCK_N tiles (split_min_tiles() by default; a static choice:
-    per-sequence chunk sizes are computed in the kernel)."""
+    """Splits so that about two programs per SM exist (or at most SPLIT_PROGRAMS
+    programs, when set), never more than the context has splits of `min_tiles` BLOCK_N
+    tiles (split_min_tiles() by default; a static choice: per-sequence chunk sizes are
+    computed in the kernel)."""
     min_tiles = split_min_tiles() if min_tiles is None else max(1, int(min_tiles))
     programs = max(1, num_seqs * num_kv_heads * row_tiles)
-    want = -(-2 * sms // programs)
+    want = -(-2 * sms // programs) if SPLIT_PROGRAMS is None else max(1, SPLIT_PROGRAMS // programs)
     tiles = max(1, -(-max_context // (block_n * min_tiles)))
     return max(1, min(want, tiles, max_splits))
 

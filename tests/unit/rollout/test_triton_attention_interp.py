@@ -265,6 +265,31 @@ def test_choose_num_splits_counts_min_tile_splits():
     assert choose_num_splits(64, 2, 32768, min_tiles=4, **kw) == 3
 
 
+def test_decode_stages_one_only_for_one_tile_splits():
+    """decode_stages: 1 while a split of the longest context holds at most one key tile
+    (min_tiles included), else 2."""
+    from megatron_tlt.rollout.triton_attention import decode_stages
+    assert decode_stages(320, 5, 64) == 1  # 64 keys a split
+    assert decode_stages(321, 5, 64) == 2  # 65
+    assert decode_stages(64, 1, 64) == 1 and decode_stages(65, 1, 64) == 2
+    assert decode_stages(8192, 64, 64) == 2  # 128 keys a split
+    assert decode_stages(4096, 64, 64) == 1
+    assert decode_stages(4096, 64, 64, min_tiles=4) == 2
+
+
+def test_split_programs_caps_the_split_grid(monkeypatch):
+    """SPLIT_PROGRAMS: the largest split count whose grid fits, at least 1; None: about two
+    programs per SM (the choices above)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    kw = dict(sms=132, min_tiles=1)
+    assert ta.choose_num_splits(32, 4, 320, **kw) == 3  # ceil(264 / 128)
+    monkeypatch.setattr(ta, "SPLIT_PROGRAMS", 132)
+    assert ta.choose_num_splits(32, 4, 320, **kw) == 1  # 128 programs fit once
+    assert ta.choose_num_splits(8, 4, 320, **kw) == 4
+    assert ta.choose_num_splits(1, 2, 320, **kw) == 5  # the context's tiles still cap it
+    assert ta.choose_num_splits(64, 4, 320, **kw) == 1  # 256 programs: never below one
+
+
 def test_paged_attention_negative_controls():
     """The comparison catches a wrong block table and a dropped tree mask."""
     q, k, v, meta = paged_case([9, 40, 13], [1, 1, 1])
