@@ -689,7 +689,7 @@ class DecodeRunner:
     def _decode_splits(self) -> dict[int, int]:
         sms = num_sms(self.device)
         return {b: choose_num_splits(b, self.model.arch.num_kv_heads, self.max_model_len, sms=sms,
-                                     block_n=block_n_for(self.cache.dtype))
+                                     block_n=block_n_for(self.cache.dtype), device=self.device)
                 for b in self.buckets}
 
     def release(self) -> None:

@@ -519,6 +519,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     block_n = block_n_for(k_cache.dtype)
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
+    min_tiles = split_min_tiles(bsz * kvh * row_tiles, qkv.device)
     _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
@@ -532,13 +533,14 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
-        WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=split_min_tiles(),
+        WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
-            decode_stages(block_tables.shape[1] * page, num_splits, block_n, split_min_tiles())
+            decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
             if mode == MODE_DECODE else 2), **pdl.kwargs())
     if sp and not merge:
-        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
+        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE,
+                       min_tiles=min_tiles)
     return out
 
 

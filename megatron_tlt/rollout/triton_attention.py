@@ -37,7 +37,8 @@ _combine_kernel outside decode cannot map its row to a sequence's length, so the
 split writes its max and sum, as before, but only live ones their partial output, which
 a merge never reads where the sum is 0). The merged result is the same bit for bit: an
 empty split's weight was 0 and its max -inf. A split holds at least `split_min_tiles()`
-BLOCK_N tiles (1 by default; MEGATRON_TLT_SPLIT_MIN_TILES), and a context that fits in
+BLOCK_N tiles (1 by default, MEGATRON_TLT_SPLIT_MIN_TILES; FULL_GRID_MIN_TILES = 4 where the
+grid fills the GPU before splitting), and a context that fits in
 one split is not merged at all: that split writes the output (`_alone`), and
 _combine_kernel skips the row in decode.
 
@@ -482,8 +483,30 @@ def set_merge_in_kernel(flag: bool) -> bool:
     return prev
 
 
-def split_min_tiles() -> int:
-    """The fewest key tiles of a live split (MEGATRON_TLT_SPLIT_MIN_TILES, default 1)."""
+FULL_GRID_MIN_TILES = 4
+"""The fewest key tiles of a live split where the grid's (sequence, KV head, row tile)
+programs fill at least 3/4 of the SMs before any split (CUDA only; the 7B shape at batch
+32 and up on 132 SMs): splitting a short context there only adds partial writes and a
+merge. Measured over whole decode steps at the 7B shape, batch 32, as a process-wide
+4-tile minimum (bench rollout --compare-split-min, H100): 1.020x (PDL on) / 1.011x (off)
+faster than 1-tile splits in session 25, 1.037x in session 26; at the 1.5B shape, batch
+32 (64 programs, below the threshold) it was 0.970x-0.990x, and 0.87x-0.96x at batch 1
+and 8, which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long contexts keep
+their splits (a split of at least 4 tiles still holds a third of a 1000-token context at
+three splits). Read at each launch; 1 turns it off (bench rollout --compare-attr
+megatron_tlt.rollout.triton_attention:FULL_GRID_MIN_TILES=1; graphs recaptured)."""
+_FULL_GRID_DEVICES = ("cuda",)  # tests add "cpu" to run the rule under the interpreter
+
+
+def split_min_tiles(programs: int | None = None, device: torch.device | str | None = None) -> int:
+    """The fewest key tiles of a live split: MEGATRON_TLT_SPLIT_MIN_TILES (default 1); for a
+    launch of `programs` (sequence, KV head, row tile) programs before splitting on
+    `device`, at least FULL_GRID_MIN_TILES where they fill 3/4 of its SMs. Every kernel of
+    one attention call (attention, merge) and its split choice must take the same value."""
+    if programs is not None and device is not None:
+        dev = torch.device(device)
+        if dev.type in _FULL_GRID_DEVICES and 4 * int(programs) >= 3 * num_sms(dev):
+            return max(_MIN_TILES, int(FULL_GRID_MIN_TILES))
     return _MIN_TILES
 
 
@@ -577,20 +600,22 @@ per SM, rounded up. Session 27's sweep (tools/attention_sweep.py, H100, bench ro
 contexts, benchmarks/results/gpu_2026-12-06_session27) timed the fused decode attention
 1.37x faster per call at the 7B shape, batch 32, with one split (128 programs) than with
 the default three (384), and 1.11x at batch 8 with four (128) than with five; not yet
-timed over whole decode steps, hence not the default. Read at each choice, so an A/B run
-can set it (bench rollout --compare-attr
+timed over whole decode steps, and those contexts were short (212 keys): at long ones
+fewer programs per SM leave each SM one serial chain of key tiles, so it is not the
+default (FULL_GRID_MIN_TILES takes the short-context gain at full grids instead). Read
+at each choice, so an A/B run can set it (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:SPLIT_PROGRAMS=132; graphs recaptured)."""
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, *, sms: int,
                       block_n: int = 64, row_tiles: int = 1, max_splits: int = 64,
-                      min_tiles: int | None = None) -> int:
+                      min_tiles: int | None = None, device: torch.device | str | None = None) -> int:
     """Splits so that about two programs per SM exist (or at most SPLIT_PROGRAMS
     programs, when set), never more than the context has splits of `min_tiles` BLOCK_N
-    tiles (split_min_tiles() by default; a static choice: per-sequence chunk sizes are
-    computed in the kernel)."""
-    min_tiles = split_min_tiles() if min_tiles is None else max(1, int(min_tiles))
+    tiles (by default split_min_tiles of this grid on `device`; a static choice:
+    per-sequence chunk sizes are computed in the kernel)."""
     programs = max(1, num_seqs * num_kv_heads * row_tiles)
+    min_tiles = split_min_tiles(programs, device) if min_tiles is None else max(1, int(min_tiles))
     want = -(-2 * sms // programs) if SPLIT_PROGRAMS is None else max(1, SPLIT_PROGRAMS // programs)
     tiles = max(1, -(-max_context // (block_n * min_tiles)))
     return max(1, min(want, tiles, max_splits))
@@ -601,7 +626,7 @@ def splits_for(k_cache: torch.Tensor, num_seqs: int, max_context: int, query_row
     x query heads per KV head (the rows one program serves, in tiles of <= MAX_BLOCK_M)."""
     return choose_num_splits(num_seqs, k_cache.shape[2], max_context, sms=num_sms(k_cache.device),
                              block_n=block_n_for(k_cache.dtype),
-                             row_tiles=-(-query_rows // MAX_BLOCK_M))
+                             row_tiles=-(-query_rows // MAX_BLOCK_M), device=k_cache.device)
 
 
 def split_buffers(out: torch.Tensor,  # [T, num_heads, head_dim]: the attention output
@@ -627,15 +652,17 @@ def split_strides(po, pm, num_splits: int) -> tuple[int, int, int, int, int]:
     return po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1)
 
 
-def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool) -> None:
+def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool,
+                   min_tiles: int) -> None:
     """_combine_kernel: out <- the merge of split_buffers' partials (`decode`: row t is
-    sequence t, whose live splits alone wrote; else every split wrote)."""
+    sequence t, whose live splits alone wrote; else every split wrote); min_tiles: the
+    attention launch's (split_min_tiles), which sets a sequence's live splits."""
     t, h, s, d = po.shape
     _combine_kernel[(t, h)](
         po, pm, pl, out, context_lens, po.stride(0), po.stride(1), po.stride(2),
         pm.stride(0), pm.stride(1), out.stride(0), out.stride(1), context_lens.stride(0),
         s, S_CHUNK=_SPLIT_CHUNK, HEAD_DIM=d, D_PAD=max(16, _next_pow2(d)), BLOCK_N=block_n,
-        DECODE=decode, MIN_TILES=_MIN_TILES, num_warps=COMBINE_WARPS, **pdl.kwargs())
+        DECODE=decode, MIN_TILES=min_tiles, num_warps=COMBINE_WARPS, **pdl.kwargs())
 
 
 def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
@@ -706,6 +733,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     merge = num_splits > 1 and attention_merge_in_kernel() and bsz * kvh * row_tiles <= MAX_MERGE_TILES
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     grid = (bsz, kvh, row_tiles * num_splits)
+    min_tiles = split_min_tiles(bsz * kvh * row_tiles, q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         q.stride(0), q.stride(1),
@@ -716,11 +744,12 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
         float(scale) * LOG2E, num_splits,
         G=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=_MIN_TILES,
+        SPLIT=num_splits > 1, MODE=mode, MERGE=merge, MIN_TILES=min_tiles,
         num_warps=attention_warps(grid, mode, q.device, ATTENTION_WARPS),
         num_stages=2, **pdl.kwargs())
     if num_splits > 1 and not merge:
-        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE)
+        combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE,
+                       min_tiles=min_tiles)
     return out
 
 

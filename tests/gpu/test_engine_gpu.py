@@ -1094,6 +1094,48 @@ def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, q
     assert not ta.merge_counters(CUDA).any()
 
 
+@pytest.mark.parametrize("q", [1, 5])
+def test_full_grid_minimum_fused_equals_separate_bf16(q):
+    """A grid of 32 sequences x 4 KV heads (128 programs: at least 3/4 of the SMs, so
+    split_min_tiles gives FULL_GRID_MIN_TILES = 4, the 7B shape at batch 32):
+    rope_attention == qkv_rope_write_kv + paged_attention bit for bit (output and caches)
+    at 1, 2 and 8 splits over contexts of 5 to 1500 keys, eagerly and as a CUDA-graph
+    replay; and == the unsplit output within bf16 rounding (the merge read the splits
+    the attention wrote)."""
+    from megatron_tlt.rollout import triton_attention as ta
+    from megatron_tlt.rollout.gpu_model import rope_attention
+    if 4 * 32 * 4 < 3 * num_sms(CUDA):
+        pytest.skip(f"{num_sms(CUDA)} SMs: 128 programs do not fill 3/4 of them")
+    assert ta.split_min_tiles(32 * 4, CUDA) == max(ta.split_min_tiles(), ta.FULL_GRID_MIN_TILES) == 4
+    g = torch.Generator().manual_seed(7)
+    ctx = torch.randint(5, 1500, (32,), generator=g).tolist()
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
+        ctx, heads=28, kvh=4, page=16, dtype=torch.bfloat16, planes=2, bias=True, seed=3, q=q)
+    tree = {} if q == 1 else dict(query_start=meta["query_start"], tree_mask=meta["tree_mask"],
+                                  max_query_len=q)
+    outs = {}
+    for splits in (1, 2, 8):
+        k1, v1 = kc.clone(), vc.clone()
+        qr = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
+        ref = paged_attention(qr, k1, v1, meta["block_tables"], meta["context_lens"],
+                              scale=HEAD_DIM ** -0.5, num_splits=splits, **tree)
+        k2, v2 = kc.clone(), vc.clone()
+        call = lambda: rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: E731,B023
+                                      scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **kw)
+        out = call()
+        assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1), splits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = call()
+        k2.copy_(kc)
+        v2.copy_(vc)
+        graph.replay()
+        assert torch.equal(gout, ref) and torch.equal(k2, k1), splits
+        outs[splits] = out.float()
+    for splits in (2, 8):
+        assert rel_err(outs[splits], outs[1]) < 2e-2, splits
+
+
 def test_fused_rope_verify_graphs_equal_separate_bf16():
     """Verify forwards replayed from graphs (bucket 4 x Q 5, then bucket 2 x Q 3) with
     DecodeModel.fused_rope on == off: logits, hidden states and the KV pool bit for bit,

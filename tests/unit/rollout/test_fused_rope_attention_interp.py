@@ -121,6 +121,49 @@ def test_fused_equals_separate_kernels(case, splits, min_tiles, merge, monkeypat
 
 
 @pytest.mark.parametrize("q", [1, 5])
+def test_full_grid_minimum_is_one_for_attention_and_merge(q, monkeypatch):
+    """FULL_GRID_MIN_TILES run on CPU (num_sms is 4 there: 3 or more programs fill 3/4):
+    the fused kernel, the separate kernels and their merges all take the 4-tile minimum
+    (128 keys in float32): fused == separate bit for bit at 8 splits, both == the
+    unsplit output to float32 rounding, and the 40-key sequence (one 4-tile split, which
+    writes its output itself) == unsplit bit for bit, where one-tile splits would merge two
+    partials. Control (decode, where the merge finds a row's live splits from its
+    context length and the minimum; the verify's merge reads every split's sum): a merge
+    told the one-tile minimum reads partials no split wrote (NaN-filled) and the
+    comparison fails."""
+    from megatron_tlt.rollout import gpu_model
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MIN_TILES", 1)
+    monkeypatch.setattr(ta, "_FULL_GRID_DEVICES", ("cuda", "cpu"))
+    assert ta.split_min_tiles(6, "cpu") == 4 and ta.split_min_tiles(2, "cpu") == 1
+    real = ta.split_buffers
+
+    def nan_filled(out, num_splits, merge_):
+        bufs = real(out, num_splits, merge_)
+        for x in bufs[:3] if num_splits > 1 else ():
+            x.fill_(float("nan"))
+        return bufs
+    monkeypatch.setattr(ta, "split_buffers", nan_filled)
+    monkeypatch.setattr(gpu_model, "split_buffers", nan_filled)
+    case = _case([150, 40, 300], heads=6, kvh=2, d=16, page=4, planes=2, bias=True, seed=11, q=q)
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = case
+    k0, v0 = kc.clone(), vc.clone()
+    one = _separate(qkv, pos, slots, cos, sin, k0, v0, meta, kw, 1)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    ref = _separate(qkv, pos, slots, cos, sin, k1, v1, meta, kw, 8)
+    out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, 8)
+    assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert float((out - one).abs().max() / one.abs().max()) < 1e-5
+    assert torch.equal(out[q:2 * q], one[q:2 * q])  # 40 keys: one split, not merged
+    if q == 1:
+        real_combine = gpu_model.combine_splits
+        monkeypatch.setattr(gpu_model, "combine_splits",
+                            lambda *a, **k: real_combine(*a, **{**k, "min_tiles": 1}))
+        bad = _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 8)
+        assert not torch.allclose(bad, one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q", [1, 5])
 def test_comparison_catches_a_wrong_position_and_a_missing_write(q):
     """Negative controls: the same comparison fails when the fused kernel is given other
     positions (RoPE differs) or told not to write the first sequence's K/V (slot -1: the

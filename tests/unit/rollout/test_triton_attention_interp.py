@@ -198,7 +198,7 @@ def test_merges_read_only_what_the_splits_wrote(merge, monkeypatch, one_tile_spl
         po, pm, pl = seen[-1]
         again = torch.empty_like(forty)
         ta.combine_splits(po, pm, pl, again, meta.context_lens, block_n=ta.block_n_for(q.dtype),
-                          decode=False)
+                          decode=False, min_tiles=1)
         assert again.isnan().all()
 
 
@@ -263,6 +263,24 @@ def test_choose_num_splits_counts_min_tile_splits():
     assert choose_num_splits(1, 2, 288, **kw) == 5  # default: one 64-key tile per split
     assert choose_num_splits(1, 2, 32768, min_tiles=4, **kw) == 64
     assert choose_num_splits(64, 2, 32768, min_tiles=4, **kw) == 3
+
+
+def test_full_grid_minimum_by_programs_per_sm(monkeypatch):
+    """split_min_tiles(programs, device): FULL_GRID_MIN_TILES where the programs fill 3/4
+    of the SMs (CUDA only: a CPU device never, unless a test adds it), else the process
+    minimum; never below the process minimum; FULL_GRID_MIN_TILES = 1 turns it off."""
+    from megatron_tlt.rollout import triton_attention as ta
+    monkeypatch.setattr(ta, "_MIN_TILES", 1)
+    assert ta.split_min_tiles(1000, "cpu") == 1 and ta.split_min_tiles() == 1
+    monkeypatch.setattr(ta, "_FULL_GRID_DEVICES", ("cuda", "cpu"))  # num_sms("cpu") == 4
+    assert [ta.split_min_tiles(p, "cpu") for p in (1, 2, 3, 4, 64)] == [1, 1, 4, 4, 4]
+    assert ta.choose_num_splits(1, 3, 512, sms=4, device="cpu") == 2  # 512 keys / (64 x 4); 3 wanted
+    assert ta.choose_num_splits(1, 3, 512, sms=4) == 3  # no device: the process minimum
+    monkeypatch.setattr(ta, "_MIN_TILES", 8)
+    assert ta.split_min_tiles(3, "cpu") == 8
+    monkeypatch.setattr(ta, "_MIN_TILES", 1)
+    monkeypatch.setattr(ta, "FULL_GRID_MIN_TILES", 1)
+    assert ta.split_min_tiles(3, "cpu") == 1
 
 
 def test_decode_stages_one_only_for_one_tile_splits():
