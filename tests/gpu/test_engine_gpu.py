@@ -1061,37 +1061,45 @@ def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, q
     eagerly and as 20 CUDA-graph replays; the caches are reset before each replay, so a
     replay reading a new K/V before writing it would show."""
     from megatron_tlt.rollout import triton_attention as ta
-    from megatron_tlt.rollout.gpu_model import rope_attention
     monkeypatch.setattr(ta, "_MERGE", merge)
     dtype = torch.bfloat16
     ctx = [5, 17, 300, 4097, 6, 129, 66, 4500]
     qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
         ctx, heads=heads, kvh=kvh, page=16, dtype=dtype, planes=planes, bias=bias,
         seed=heads + q, q=q)
-    tree = {} if q == 1 else dict(query_start=meta["query_start"], tree_mask=meta["tree_mask"],
-                                  max_query_len=q)
     for splits in (1, 8, 64):
-        k1, v1 = kc.clone(), vc.clone()
-        qr = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
-        ref = paged_attention(qr, k1, v1, meta["block_tables"], meta["context_lens"],
-                              scale=HEAD_DIM ** -0.5, num_splits=splits, **tree)
-        k2, v2 = kc.clone(), vc.clone()
-        call = lambda: rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: E731,B023
-                                      scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **kw)
-        out = call()
-        assert torch.equal(k2, k1) and torch.equal(v2, v1), splits
-        assert torch.equal(out, ref), (splits, rel_err(out, ref))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gout = call()
-        for _ in range(20):
-            k2.copy_(kc)
-            v2.copy_(vc)
-            gout.zero_()
-            graph.replay()
-            assert torch.equal(gout, ref) and torch.equal(k2, k1), splits
+        _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q, splits, 20)
     torch.cuda.synchronize()
     assert not ta.merge_counters(CUDA).any()
+
+
+def _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q, splits, replays):
+    """rope_attention == qkv_rope_write_kv + paged_attention at `splits` (output and the
+    caches, which start as kc / vc), eagerly and in `replays` replays of a CUDA graph of
+    it (caches reset before each); returns the output."""
+    from megatron_tlt.rollout.gpu_model import rope_attention
+    tree = {} if q == 1 else dict(query_start=meta["query_start"], tree_mask=meta["tree_mask"],
+                                  max_query_len=q)
+    k1, v1 = kc.clone(), vc.clone()
+    qr = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
+    ref = paged_attention(qr, k1, v1, meta["block_tables"], meta["context_lens"],
+                          scale=HEAD_DIM ** -0.5, num_splits=splits, **tree)
+    k2, v2 = kc.clone(), vc.clone()
+    call = lambda: rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: E731
+                                  scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **kw)
+    out = call()
+    assert torch.equal(k2, k1) and torch.equal(v2, v1), splits
+    assert torch.equal(out, ref), (splits, rel_err(out, ref))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = call()
+    for _ in range(replays):
+        k2.copy_(kc)
+        v2.copy_(vc)
+        gout.zero_()
+        graph.replay()
+        assert torch.equal(gout, ref) and torch.equal(k2, k1), splits
+    return out
 
 
 @pytest.mark.parametrize("q", [1, 5])
@@ -1103,7 +1111,6 @@ def test_full_grid_minimum_fused_equals_separate_bf16(q):
     replay; and == the unsplit output within bf16 rounding (the merge read the splits
     the attention wrote)."""
     from megatron_tlt.rollout import triton_attention as ta
-    from megatron_tlt.rollout.gpu_model import rope_attention
     if 4 * 32 * 4 < 3 * num_sms(CUDA):
         pytest.skip(f"{num_sms(CUDA)} SMs: 128 programs do not fill 3/4 of them")
     assert ta.split_min_tiles(32 * 4, CUDA) == max(ta.split_min_tiles(), ta.FULL_GRID_MIN_TILES) == 4
@@ -1111,27 +1118,8 @@ def test_full_grid_minimum_fused_equals_separate_bf16(q):
     ctx = torch.randint(5, 1500, (32,), generator=g).tolist()
     qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
         ctx, heads=28, kvh=4, page=16, dtype=torch.bfloat16, planes=2, bias=True, seed=3, q=q)
-    tree = {} if q == 1 else dict(query_start=meta["query_start"], tree_mask=meta["tree_mask"],
-                                  max_query_len=q)
-    outs = {}
-    for splits in (1, 2, 8):
-        k1, v1 = kc.clone(), vc.clone()
-        qr = qkv_rope_write_kv(qkv, pos, slots, cos, sin, k1, v1, **kw)
-        ref = paged_attention(qr, k1, v1, meta["block_tables"], meta["context_lens"],
-                              scale=HEAD_DIM ** -0.5, num_splits=splits, **tree)
-        k2, v2 = kc.clone(), vc.clone()
-        call = lambda: rope_attention(qkv, pos, slots, cos, sin, k2, v2,  # noqa: E731,B023
-                                      scale=HEAD_DIM ** -0.5, num_splits=splits, **meta, **kw)
-        out = call()
-        assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1), splits
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gout = call()
-        k2.copy_(kc)
-        v2.copy_(vc)
-        graph.replay()
-        assert torch.equal(gout, ref) and torch.equal(k2, k1), splits
-        outs[splits] = out.float()
+    outs = {splits: _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q,
+                                           splits, 2).float() for splits in (1, 2, 8)}
     for splits in (2, 8):
         assert rel_err(outs[splits], outs[1]) < 2e-2, splits
 
