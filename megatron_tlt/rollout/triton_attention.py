@@ -389,42 +389,62 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, o_ptr, ctx_ptr,
                     S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_N: tl.constexpr = 64, DECODE: tl.constexpr = False,
                     MIN_TILES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)  # first: rollout/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_live = num_splits
     if DECODE:  # row t is sequence t: only its live splits wrote (_finish)
+        # Before the PDL wait: the context lengths are no output of the attention launch
+        # this merges (rollout/pdl.py).
         ctx = tl.load(ctx_ptr + t * stride_ctx).to(tl.int32)
         _, _, n_live = _split_range(ctx, 0, num_splits, BLOCK_N, MIN_TILES)
+    pdl_enter(USE_PDL)  # before the partials' loads and the store: rollout/pdl.py
     if n_live > 1:  # else the one live split wrote the row (_alone)
         _combine_row(po_ptr, pm_ptr, pl_ptr, o_ptr, t, h, n_live, stride_pot, stride_poh,
                      stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh, S_CHUNK, HEAD_DIM,
-                     D_PAD)
+                     D_PAD, ALL_WROTE=DECODE)
 
 
 @triton.jit
 def _combine_row(po_ptr, pm_ptr, pl_ptr, o_ptr, t, h, n_live, stride_pot, stride_poh,
                  stride_pos, stride_pmt, stride_pmh, stride_ot, stride_oh,
-                 S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """_combine_kernel's merge of row t, head h: splits 0 .. n_live - 1."""
+                 S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 ALL_WROTE: tl.constexpr = False):
+    """_combine_kernel's merge of row t, head h: splits 0 .. n_live - 1, in chunks of
+    S_CHUNK. The first chunk's maxima, sums and partial outputs are loaded up front; in
+    decode (ALL_WROTE: every split below n_live has keys and wrote its partial output)
+    all three at once, one trip to memory where n_live <= S_CHUNK (the usual case)
+    instead of three (maxima, then sums, then the outputs of the splits with keys).
+    Elsewhere a split below n_live may hold no keys and leave its output unwritten, so
+    the outputs are read after the sums, for the splits with keys only, as before. The
+    arithmetic is the same either way (an entry of a split without keys is discarded by
+    the `where`s, never multiplied in)."""
     ml = t * stride_pmt + h * stride_pmh
-    m_run = tl.full([S_CHUNK], float("-inf"), tl.float32)
-    for c in range(0, n_live, S_CHUNK):
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    s0 = tl.arange(0, S_CHUNK)
+    ok0 = s0 < n_live
+    m0 = tl.load(pm_ptr + ml + s0, mask=ok0, other=float("-inf"))
+    l0 = tl.load(pl_ptr + ml + s0, mask=ok0, other=0.0)
+    rd0 = ok0 if ALL_WROTE else ok0 & (l0 > 0)
+    o0 = tl.load(po_ptr + t * stride_pot + h * stride_poh + s0[:, None] * stride_pos + d[None, :],
+                 mask=rd0[:, None] & d_ok[None, :], other=0.0)
+    m_run = m0
+    for c in range(S_CHUNK, n_live, S_CHUNK):
         s = c + tl.arange(0, S_CHUNK)
         m_run = tl.maximum(m_run, tl.load(pm_ptr + ml + s, mask=s < n_live,
                                           other=float("-inf")))
     m_max = tl.max(m_run, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    l_acc = tl.zeros([S_CHUNK], tl.float32)
-    o_acc = tl.zeros([S_CHUNK, D_PAD], tl.float32)
-    for c in range(0, n_live, S_CHUNK):
+    w0 = tl.exp2(m0 - m_max)  # 0 for empty splits (m = -inf)
+    live0 = ok0 & (l0 > 0)
+    l_acc = tl.zeros([S_CHUNK], tl.float32) + tl.where(live0, w0 * l0, 0.0)
+    o_acc = tl.zeros([S_CHUNK, D_PAD], tl.float32) + tl.where(live0[:, None], w0[:, None] * o0, 0.0)
+    for c in range(S_CHUNK, n_live, S_CHUNK):
         s = c + tl.arange(0, S_CHUNK)
         s_ok = s < n_live
         m = tl.load(pm_ptr + ml + s, mask=s_ok, other=float("-inf"))
         l = tl.load(pl_ptr + ml + s, mask=s_ok, other=0.0)
-        w = tl.exp2(m - m_max)  # 0 for empty splits (m = -inf)
+        w = tl.exp2(m - m_max)
         live = s_ok & (l > 0)
         o = tl.load(po_ptr + t * stride_pot + h * stride_poh + s[:, None] * stride_pos + d[None, :],
                     mask=live[:, None] & d_ok[None, :], other=0.0)

@@ -219,6 +219,30 @@ def test_split_merge_counter_left_dirty_breaks_the_output(monkeypatch, one_tile_
     assert rel_err(out[1:], ref[1:]) < TOL  # the other tiles merged as usual
 
 
+def test_decode_merge_over_several_chunks_of_splits(monkeypatch, one_tile_splits):
+    """Decode over more live splits than _combine_kernel merges in one chunk (16): 700
+    and 530 keys in 32-key splits (22 and 17 live of 40), beside a 3-key context (one
+    split, not merged), into NaN-filled partial buffers: == the reference, and == the
+    unsplit kernel to float32 rounding. Control: the same merge told a 4-tile minimum
+    finds fewer live splits than were written and drops keys."""
+    from megatron_tlt.rollout import triton_attention as ta
+    seen = nan_filled_split_buffers(monkeypatch)
+    q, k, v, meta = paged_case([700, 530, 3], [1, 1, 1], page=8)
+    ref = TorchPagedAttention(precise=True).forward(q, k, v, meta, None)
+    one, forty = (paged_attention(q, k, v, meta.block_tables, meta.context_lens, scale=0.25,
+                                  num_splits=s) for s in (1, 40))
+    _, pm, _ = seen[-1]
+    assert not pm[0, :, :22].isnan().any() and pm[0, :, 22:].isnan().all()  # 22 live splits
+    assert not pm[1, :, :17].isnan().any() and pm[1, :, 17:].isnan().all()
+    assert not forty.isnan().any() and rel_err(forty, ref) < TOL and rel_err(forty, one) < TOL
+    assert torch.equal(forty[2], one[2])
+    po, pm, pl = seen[-1]
+    again = torch.empty_like(forty)
+    ta.combine_splits(po, pm, pl, again, meta.context_lens, block_n=ta.block_n_for(q.dtype),
+                      decode=True, min_tiles=4)
+    assert rel_err(again[:2], ref[:2]) > 1e-3
+
+
 @pytest.mark.parametrize("merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
 def test_a_context_within_one_split_is_not_merged(merge, monkeypatch):
     """4-tile splits (MEGATRON_TLT_SPLIT_MIN_TILES=4; 128 keys in float32): contexts of up to
