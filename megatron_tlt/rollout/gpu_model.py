@@ -344,7 +344,7 @@ def _rope_attention_kernel(
     Decode: the split holding the new token takes its key and value from registers (the
     bf16 values it stores) instead of reading them back, so nothing waits for a store:
     the first key tile's loads (context length, block table, keys and values already in
-    the cache) are issued first, before the PDL wait. None of those is written by the
+    the cache) and the positions are issued first, before the PDL wait. None of those is written by the
     kernel launched right before this one (DecodeModel launches the QKV projection there;
     rollout/pdl.py). The tree verify writes its new tokens' K and V first and reads them
     back after a barrier, as the separate kernels do."""
@@ -356,6 +356,10 @@ def _rope_attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     dd = d[None, :]
+    qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
+    # The query rows' positions (an input: in decode loaded before the PDL wait, so the
+    # RoPE tables' loads that depend on them need not wait for it either).
+    pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok & (split < n_live), other=0).to(tl.int64)
     if MODE == 0:
         k0, v0 = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, start, end, d, d_ok, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
@@ -398,10 +402,8 @@ def _rope_attention_kernel(
                       stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
         tl.debug_barrier()  # the K/V stores before this block's loads of them
 
-    qi, row_ok, head, tok = _query_rows(tile, q0, n_new, kvh, G, BLOCK_M)
     q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
     if split < n_live:  # a split without keys (most, for short contexts) needs no query
-        pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok, other=0).to(tl.int64)
         q = _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr,
                        head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
                        D_PAD, S, HAS_BIAS)  # 0 past n_new
