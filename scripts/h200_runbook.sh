@@ -55,8 +55,8 @@
 #             tests/gpu/test_spec_gpu.py with them, then bench rollout against the old warps
 #             side by side (--compare-attr; random weights, no target needed; a 600 s call)
 #   attn      session 27's attention settings: bench rollout with one pipelining stage
-#             for one-tile decode splits and 4-tile splits on grids that fill the GPU (both
-#             defaults since session 27) against the old settings, and split grids capped at
+#             for one-tile decode splits, 4-tile splits merged in the kernel on grids that
+#             fill the GPU (defaults since session 27) against the old settings, and split grids capped at
 #             132 / 264 programs (opt-in SPLIT_PROGRAMS) side by side
 #             (--compare-attr; random weights, no target needed), then tools/attention_sweep.py
 #             at the 7B shape, batch 32, and the 1.5B shape, batch 1 (ATTN_PARTS=tests runs
@@ -276,9 +276,10 @@ case "$STAGE" in
     else
       timeout "$(upto 120)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_attn.json" \
           --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
-          --compare-attr "$G:ROPE_ATTENTION_STAGES=2;$A:FULL_GRID_MIN_TILES=1" \
+          --compare-attr "$G:ROPE_ATTENTION_STAGES=2;$A:FULL_GRID_MIN_TILES=1;$A:FULL_GRID_MERGE=False" \
           --compare-attr "$G:ROPE_ATTENTION_STAGES=2" \
-          --compare-attr "$A:FULL_GRID_MIN_TILES=1" \
+          --compare-attr "$A:FULL_GRID_MIN_TILES=1;$A:FULL_GRID_MERGE=False" \
+          --compare-attr "$A:FULL_GRID_MERGE=False" \
           --compare-attr "$A:SPLIT_PROGRAMS=132" \
           --compare-attr "$A:SPLIT_PROGRAMS=264" 2>&1 \
           | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16

@@ -42,10 +42,10 @@ import triton.language as tl
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
-from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MAX_MERGE_TILES, MODE_DECODE,
+from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
-                                                   attention_merge_in_kernel, block_n_for, decode_stages,
+                                                   block_n_for, decode_stages, merge_in_kernel,
                                                    attention_warps, combine_splits,
                                                    paged_attention, split_buffers,
                                                    split_min_tiles, split_strides)
@@ -515,7 +515,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     row_tiles = -(-rows // block_m)
     num_splits = max(1, int(num_splits))
     out = torch.empty(t, num_heads, head_dim, dtype=k_cache.dtype, device=qkv.device)
-    merge = num_splits > 1 and attention_merge_in_kernel() and bsz * kvh * row_tiles <= MAX_MERGE_TILES
+    merge = merge_in_kernel(num_splits, bsz * kvh * row_tiles, qkv.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
     block_n = block_n_for(k_cache.dtype)

@@ -515,7 +515,24 @@ and 8, which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long contexts
 their splits (a split of at least 4 tiles still holds a third of a 1000-token context at
 three splits). Read at each launch; 1 turns it off (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:FULL_GRID_MIN_TILES=1; graphs recaptured)."""
+FULL_GRID_MERGE = True
+"""Where the grid fills the GPU (FULL_GRID_MIN_TILES' test), split-K launches merge in
+the kernel (the last split program of a row tile) instead of in a _combine_kernel launch:
+with 4-tile splits a short context is one split that needs no merge, and the second
+launch would only skip its rows. Session 25 (H100, process-wide 4-tile splits, bench
+rollout --compare-merge) timed the in-kernel merge 1.005x-1.020x faster than the combine
+launch in all 12 timings (1.5B / 7B, batch 1 / 8 / 32, PDL on and off). Read at each
+launch; False leaves the choice to MEGATRON_TLT_FUSED_COMBINE."""
 _FULL_GRID_DEVICES = ("cuda",)  # tests add "cpu" to run the rule under the interpreter
+
+
+def full_grid(programs: int | None, device: torch.device | str | None) -> bool:
+    """Whether `programs` (sequence, KV head, row tile) programs, before any split, fill at
+    least 3/4 of `device`'s SMs (CUDA devices only)."""
+    if programs is None or device is None:
+        return False
+    dev = torch.device(device)
+    return dev.type in _FULL_GRID_DEVICES and 4 * int(programs) >= 3 * num_sms(dev)
 
 
 def split_min_tiles(programs: int | None = None, device: torch.device | str | None = None) -> int:
@@ -523,11 +540,18 @@ def split_min_tiles(programs: int | None = None, device: torch.device | str | No
     launch of `programs` (sequence, KV head, row tile) programs before splitting on
     `device`, at least FULL_GRID_MIN_TILES where they fill 3/4 of its SMs. Every kernel of
     one attention call (attention, merge) and its split choice must take the same value."""
-    if programs is not None and device is not None:
-        dev = torch.device(device)
-        if dev.type in _FULL_GRID_DEVICES and 4 * int(programs) >= 3 * num_sms(dev):
-            return max(_MIN_TILES, int(FULL_GRID_MIN_TILES))
+    if full_grid(programs, device):
+        return max(_MIN_TILES, int(FULL_GRID_MIN_TILES))
     return _MIN_TILES
+
+
+def merge_in_kernel(num_splits: int, programs: int, device: torch.device | str) -> bool:
+    """Whether a launch of `num_splits` splits over `programs` (sequence, KV head, row tile)
+    programs merges its splits in the kernel: MEGATRON_TLT_FUSED_COMBINE=1, or a full grid
+    with FULL_GRID_MERGE; never without splits or past MAX_MERGE_TILES row tiles."""
+    if num_splits <= 1 or programs > MAX_MERGE_TILES:
+        return False
+    return _MERGE or (bool(FULL_GRID_MERGE) and full_grid(programs, device))
 
 
 def set_split_min_tiles(n: int) -> int:
@@ -750,7 +774,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     num_splits = max(1, int(num_splits))
     if out is None:
         out = torch.empty_like(q)
-    merge = num_splits > 1 and attention_merge_in_kernel() and bsz * kvh * row_tiles <= MAX_MERGE_TILES
+    merge = merge_in_kernel(num_splits, bsz * kvh * row_tiles, q.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     grid = (bsz, kvh, row_tiles * num_splits)
     min_tiles = split_min_tiles(bsz * kvh * row_tiles, q.device)

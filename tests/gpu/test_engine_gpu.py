@@ -1105,15 +1105,16 @@ def _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q, split
 @pytest.mark.parametrize("q", [1, 5])
 def test_full_grid_minimum_fused_equals_separate_bf16(q):
     """A grid of 32 sequences x 4 KV heads (128 programs: at least 3/4 of the SMs, so
-    split_min_tiles gives FULL_GRID_MIN_TILES = 4, the 7B shape at batch 32):
-    rope_attention == qkv_rope_write_kv + paged_attention bit for bit (output and caches)
-    at 1, 2 and 8 splits over contexts of 5 to 1500 keys, eagerly and as a CUDA-graph
-    replay; and == the unsplit output within bf16 rounding (the merge read the splits
-    the attention wrote)."""
+    split_min_tiles gives FULL_GRID_MIN_TILES = 4 and FULL_GRID_MERGE merges in the
+    kernel, the 7B shape at batch 32): rope_attention == qkv_rope_write_kv +
+    paged_attention bit for bit (output and caches) at 1, 2 and 8 splits over contexts of
+    5 to 1500 keys, eagerly and in CUDA-graph replays; == the unsplit output within bf16
+    rounding (the merge read the splits the attention wrote); the merge counters end at 0."""
     from megatron_tlt.rollout import triton_attention as ta
     if 4 * 32 * 4 < 3 * num_sms(CUDA):
         pytest.skip(f"{num_sms(CUDA)} SMs: 128 programs do not fill 3/4 of them")
     assert ta.split_min_tiles(32 * 4, CUDA) == max(ta.split_min_tiles(), ta.FULL_GRID_MIN_TILES) == 4
+    assert ta.merge_in_kernel(8, 32 * 4, CUDA)
     g = torch.Generator().manual_seed(7)
     ctx = torch.randint(5, 1500, (32,), generator=g).tolist()
     qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
@@ -1122,6 +1123,8 @@ def test_full_grid_minimum_fused_equals_separate_bf16(q):
                                            splits, 2).float() for splits in (1, 2, 8)}
     for splits in (2, 8):
         assert rel_err(outs[splits], outs[1]) < 2e-2, splits
+    torch.cuda.synchronize()
+    assert not ta.merge_counters(CUDA).any()
 
 
 def test_fused_rope_verify_graphs_equal_separate_bf16():

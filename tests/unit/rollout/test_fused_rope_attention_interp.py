@@ -120,22 +120,27 @@ def test_fused_equals_separate_kernels(case, splits, min_tiles, merge, monkeypat
     assert not ta.merge_counters(torch.device("cpu")).any()
 
 
+@pytest.mark.parametrize("full_merge", [True, False], ids=["merge-in-kernel", "combine-kernel"])
 @pytest.mark.parametrize("q", [1, 5])
-def test_full_grid_minimum_is_one_for_attention_and_merge(q, monkeypatch):
+def test_full_grid_minimum_is_one_for_attention_and_merge(q, full_merge, monkeypatch):
     """FULL_GRID_MIN_TILES run on CPU (num_sms is 4 there: 3 or more programs fill 3/4):
-    the fused kernel, the separate kernels and their merges all take the 4-tile minimum
+    the fused kernel, the separate kernels and their merges (in the kernel with
+    FULL_GRID_MERGE, the default, else _combine_kernel) all take the 4-tile minimum
     (128 keys in float32): fused == separate bit for bit at 8 splits, both == the
     unsplit output to float32 rounding, and the 40-key sequence (one 4-tile split, which
     writes its output itself) == unsplit bit for bit, where one-tile splits would merge two
-    partials. Control (decode, where the merge finds a row's live splits from its
-    context length and the minimum; the verify's merge reads every split's sum): a merge
-    told the one-tile minimum reads partials no split wrote (NaN-filled) and the
-    comparison fails."""
+    partials; the merge counters end at 0. Control (decode with _combine_kernel, which
+    finds a row's live splits from its context length and the minimum; the verify's
+    merge reads every split's sum): a merge told the one-tile minimum reads partials no
+    split wrote (NaN-filled) and the comparison fails."""
     from megatron_tlt.rollout import gpu_model
     from megatron_tlt.rollout import triton_attention as ta
     monkeypatch.setattr(ta, "_MIN_TILES", 1)
+    monkeypatch.setattr(ta, "_MERGE", False)
+    monkeypatch.setattr(ta, "FULL_GRID_MERGE", full_merge)
     monkeypatch.setattr(ta, "_FULL_GRID_DEVICES", ("cuda", "cpu"))
     assert ta.split_min_tiles(6, "cpu") == 4 and ta.split_min_tiles(2, "cpu") == 1
+    assert ta.merge_in_kernel(8, 6, "cpu") == full_merge and not ta.merge_in_kernel(8, 2, "cpu")
     real = ta.split_buffers
 
     def nan_filled(out, num_splits, merge_):
@@ -155,7 +160,8 @@ def test_full_grid_minimum_is_one_for_attention_and_merge(q, monkeypatch):
     assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
     assert float((out - one).abs().max() / one.abs().max()) < 1e-5
     assert torch.equal(out[q:2 * q], one[q:2 * q])  # 40 keys: one split, not merged
-    if q == 1:
+    assert not ta.merge_counters(torch.device("cpu")).any()
+    if q == 1 and not full_merge:
         real_combine = gpu_model.combine_splits
         monkeypatch.setattr(gpu_model, "combine_splits",
                             lambda *a, **k: real_combine(*a, **{**k, "min_tiles": 1}))
