@@ -344,9 +344,9 @@ def _rope_attention_kernel(
     Decode: the split holding the new token takes its key and value from registers (the
     bf16 values it stores) instead of reading them back, so nothing waits for a store:
     the first key tile's loads (context length, block table, keys and values already in
-    the cache) and the positions are issued first, before the PDL wait. None of those is written by the
-    kernel launched right before this one (DecodeModel launches the QKV projection there;
-    rollout/pdl.py). The tree verify writes its new tokens' K and V first and reads them
+    the cache) and the positions are issued first, before the PDL wait. None of those is
+    written by the kernel launched right before this one (DecodeModel launches the QKV
+    projection there; rollout/pdl.py). The tree verify writes its new tokens' K and V first and reads them
     back after a barrier, as the separate kernels do."""
     if MODE != 0:
         pdl_enter(USE_PDL)  # first: rollout/pdl.py

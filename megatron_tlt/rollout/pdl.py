@@ -15,10 +15,10 @@ and the fused decode attention's loads of its inputs and of the keys/values alre
 cache come earlier (gpu_model._rope_attention_kernel: DecodeModel launches it right after
 the QKV projection, which writes none of them), and so does the decode split merge's load
 of the context lengths (triton_attention._combine_kernel, launched right after the
-attention kernel whose partials it merges, which does not write them). Because every PDL kernel waits for its
-predecessor to complete, completion is transitive along the stream (a kernel never runs
-ahead of one two launches back), so what such early loads read was written by a kernel
-that has completed. Kernels without
+attention kernel whose partials it merges, which does not write them). Because every PDL
+kernel waits for its predecessor to complete, completion is transitive along the stream
+(a kernel never runs ahead of one two launches back), so what such early loads read was
+written by a kernel that has completed. Kernels without
 the flag (cuBLAS, torch ops) are ordinary launches: they start after the previous kernel
 completes, and a PDL kernel after them waits for them to complete (no trigger: the
 implicit one at their end).

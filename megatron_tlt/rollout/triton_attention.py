@@ -510,8 +510,8 @@ programs fill at least 3/4 of the SMs before any split (CUDA only; the 7B shape 
 merge. Measured over whole decode steps at the 7B shape, batch 32, as a process-wide
 4-tile minimum (bench rollout --compare-split-min, H100): 1.020x (PDL on) / 1.011x (off)
 faster than 1-tile splits in session 25, 1.037x in session 26; at the 1.5B shape, batch
-32 (64 programs, below the threshold) it was 0.970x-0.990x, and 0.87x-0.96x at batch 1
-and 8, which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long contexts keep
+32 (64 programs, below the threshold) it was 0.970x-0.990x, and 0.87x-0.97x at batch 1
+and 8 (both shapes), which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long contexts keep
 their splits (a split of at least 4 tiles still holds a third of a 1000-token context at
 three splits). Read at each launch; 1 turns it off (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:FULL_GRID_MIN_TILES=1; graphs recaptured)."""
