@@ -56,8 +56,8 @@
 #             side by side (--compare-attr; random weights, no target needed; a 600 s call)
 #   attn      session 27's attention settings: bench rollout with one pipelining stage
 #             for one-tile decode splits, 4-tile splits merged in the kernel on grids that
-#             fill the GPU (defaults since session 27) against the old settings, and split grids capped at
-#             132 / 264 programs (opt-in SPLIT_PROGRAMS) side by side
+#             fill the GPU (defaults since session 27) against the old settings, and split
+#             grids capped at 132 / 264 programs (opt-in SPLIT_PROGRAMS) side by side
 #             (--compare-attr; random weights, no target needed), then tools/attention_sweep.py
 #             at the 7B shape, batch 32, and the 1.5B shape, batch 1 (ATTN_PARTS=tests runs
 #             the decode attention GPU tests and tests/gpu/test_spec_gpu.py instead)
