@@ -114,7 +114,8 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-split-min", action="store_true",
                    help="also time decode with split-K attention splits of at least 4 key "
                         "tiles (MEGATRON_TLT_SPLIT_MIN_TILES=4) against the default of 1 "
-                        "(or 1 when the process runs with another; graphs recaptured)")
+                        "(or 1 when the process runs with another; grids that fill the GPU "
+                        "take at least FULL_GRID_MIN_TILES either way; graphs recaptured)")
     p.add_argument("--compare-preload", type=float, default=None, metavar="KB",
                    help="with PDL on, also time decode with projection programs loading up to KB "
                         "kilobytes of their first weight tiles before the PDL wait "
