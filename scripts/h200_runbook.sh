@@ -288,7 +288,7 @@ case "$STAGE" in
         set -- $sb
         timeout "$(upto 5)" $PY tools/attention_sweep.py --shape "$1" --batch "$2" --planes "$3" \
             --json "$RESULTS/attn_sweep_$1_b$2.json" 2>&1 | grep -E "us/call|failed|rror" \
-            | grep -E "^(default|splits=1 |splits=4 |stages=|splits=1,stages=1 )|failed|rror"
+            | grep -E "^(default|before|splits=1 |splits=4 |stages=|splits=1,stages=1 )|failed|rror"
       done
       echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
     fi ;;

@@ -58,18 +58,25 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
 
 
 @contextlib.contextmanager
-def setting(warps=None, stages=None, block_n=None):
-    saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for)
+def setting(warps=None, stages=None, block_n=None, full_grid=None):
+    """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
+    no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
+    ta = triton_attention
+    saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for,
+             ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE)
     if warps is not None:
         gpu_model.ROPE_ATTENTION_WARPS = warps
     if stages is not None:
         gpu_model.ROPE_ATTENTION_STAGES = stages
     if block_n is not None:
         gpu_model.block_n_for = lambda dtype: block_n  # noqa: E731
+    if full_grid is False:
+        ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE = 1, False
     try:
         yield
     finally:
-        gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for = saved
+        (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for,
+         ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE) = saved
 
 
 def time_graph(fn, reps: int) -> float:
@@ -115,7 +122,10 @@ def main() -> None:
     qkv, pos, slots, cos, sin, bias, caches, meta = case(arch, a.batch, a.context, a.layers, 16,
                                                          a.planes, dev)
     max_ctx = a.max_context or a.context + 100
-    default_splits = triton_attention.splits_for(caches[0][0], a.batch, max_ctx, arch.num_heads // arch.num_kv_heads)
+    group = arch.num_heads // arch.num_kv_heads
+    default_splits = triton_attention.splits_for(caches[0][0], a.batch, max_ctx, group)
+    with setting(full_grid=False):
+        old_splits = triton_attention.splits_for(caches[0][0], a.batch, max_ctx, group)
     kw = dict(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
               scale=arch.head_dim ** -0.5, bias=bias)
     kv_bytes = 2 * a.batch * a.context * arch.num_kv_heads * arch.head_dim * 2
@@ -125,9 +135,11 @@ def main() -> None:
                                          **meta, **kw) for k, v in caches]
 
     variants = [("default", default_splits, {})]
+    variants += [(f"before session 27 (splits={old_splits})", old_splits,
+                  dict(stages=2, full_grid=False))]
     variants += [(f"splits={s}", s, {}) for s in (1, 2, 3, 4, 6, 8, 16) if s != default_splits]
     variants += [(f"warps={w}", default_splits, dict(warps=w)) for w in (2, 4, 8, 16)]
-    variants += [(f"stages={s}", default_splits, dict(stages=s)) for s in (1, 3, 4)]
+    variants += [(f"stages={s}", default_splits, dict(stages=s)) for s in (1, 2, 3, 4)]
     variants += [(f"block_n={n}", default_splits, dict(block_n=n)) for n in (16, 32, 128)]
     variants += [(f"splits=1,warps={w}", 1, dict(warps=w)) for w in (2, 8)]
     variants += [(f"splits=1,block_n={n}", 1, dict(block_n=n)) for n in (32, 128)]
@@ -146,7 +158,7 @@ def main() -> None:
                 out = run(splits)
                 us = time_graph(lambda: run(splits), a.reps) / a.layers  # noqa: B023
         except Exception as e:  # a setting that does not compile or fit (shared memory)
-            print(f"{name:22s} failed: {type(e).__name__}: {str(e)[:120]}")
+            print(f"{name:30s} failed: {type(e).__name__}: {str(e)[:120]}")
             rows.append({"name": name, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         if ref is None:
@@ -154,7 +166,7 @@ def main() -> None:
         diff = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref))
         rows.append({"name": name, "splits": splits, **knobs, "us_per_call": us,
                      "kv_GBps": kv_bytes / us / 1e3, "vs_default": base / us, "max_abs_diff": diff})
-        print(f"{name:22s} {us:7.2f} us/call  {kv_bytes / us / 1e3:7.1f} GB/s of KV  "
+        print(f"{name:30s} {us:7.2f} us/call  {kv_bytes / us / 1e3:7.1f} GB/s of KV  "
               f"{base / us:6.3f}x  max|diff| {diff:.3g}")
     if a.json:
         with open(a.json, "w") as f:
