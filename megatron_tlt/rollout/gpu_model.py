@@ -346,8 +346,8 @@ def _rope_attention_kernel(
     the first key tile's loads (context length, block table, keys and values already in
     the cache) and the positions are issued first, before the PDL wait. None of those is
     written by the kernel launched right before this one (DecodeModel launches the QKV
-    projection there; rollout/pdl.py). The tree verify writes its new tokens' K and V first and reads them
-    back after a barrier, as the separate kernels do."""
+    projection there; rollout/pdl.py). The tree verify writes its new tokens' K and V
+    first and reads them back after a barrier, as the separate kernels do."""
     if MODE != 0:
         pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
@@ -515,13 +515,14 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     row_tiles = -(-rows // block_m)
     num_splits = max(1, int(num_splits))
     out = torch.empty(t, num_heads, head_dim, dtype=k_cache.dtype, device=qkv.device)
-    merge = merge_in_kernel(num_splits, bsz * kvh * row_tiles, qkv.device)
+    programs = bsz * kvh * row_tiles  # before splitting
+    merge = merge_in_kernel(num_splits, programs, qkv.device)
+    min_tiles = split_min_tiles(programs, qkv.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
     block_n = block_n_for(k_cache.dtype)
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
-    min_tiles = split_min_tiles(bsz * kvh * row_tiles, qkv.device)
     _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,

@@ -511,9 +511,9 @@ merge. Measured over whole decode steps at the 7B shape, batch 32, as a process-
 4-tile minimum (bench rollout --compare-split-min, H100): 1.020x (PDL on) / 1.011x (off)
 faster than 1-tile splits in session 25, 1.037x in session 26; at the 1.5B shape, batch
 32 (64 programs, below the threshold) it was 0.970x-0.990x, and 0.87x-0.97x at batch 1
-and 8 (both shapes), which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long contexts keep
-their splits (a split of at least 4 tiles still holds a third of a 1000-token context at
-three splits). Read at each launch; 1 turns it off (bench rollout --compare-attr
+and 8 (both shapes), which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long
+contexts keep their splits (a 1000-key context still takes three splits of six tiles).
+Read at each launch; 1 turns it off (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:FULL_GRID_MIN_TILES=1; graphs recaptured)."""
 FULL_GRID_MERGE = True
 """Where the grid fills the GPU (FULL_GRID_MIN_TILES' test), split-K launches merge in
@@ -774,10 +774,11 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     num_splits = max(1, int(num_splits))
     if out is None:
         out = torch.empty_like(q)
-    merge = merge_in_kernel(num_splits, bsz * kvh * row_tiles, q.device)
+    programs = bsz * kvh * row_tiles  # before splitting
+    merge = merge_in_kernel(num_splits, programs, q.device)
+    min_tiles = split_min_tiles(programs, q.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     grid = (bsz, kvh, row_tiles * num_splits)
-    min_tiles = split_min_tiles(bsz * kvh * row_tiles, q.device)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         q.stride(0), q.stride(1),
