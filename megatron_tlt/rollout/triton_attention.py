@@ -469,7 +469,11 @@ step slower, not faster: batch-1 plain decode 1.76 / 1.84 ms/step with it agains
 and the batch-1 verify-forward graph (Q = 5, random weights) 1.767 ms against 1.697 ms
 with every session 18-19 kernel off. Those timings predate the live-split merge, which
 loops over the live splits only instead of all of them (4 instead of 64 at batch 1 with a
-short context): bench rollout --compare-merge times the two again."""
+short context): bench rollout --compare-merge times the two again. Session 28 (H100,
+291d019, benchmarks/results/gpu_2026-12-06_session28): with the in-kernel merge everywhere
+the 1.5B step ran at 0.978x / 0.984x / 1.018x of the default's speed at batch 1 / 8 / 32,
+the 7B step 0.996x / 0.996x / 1.000x (batch 32 merges in the kernel either way there), so
+grids below FULL_GRID_MIN_TILES' threshold keep the combine launch."""
 SPLIT_MIN_ENV = "MEGATRON_TLT_SPLIT_MIN_TILES"
 _MIN_TILES = int(os.environ.get(SPLIT_MIN_ENV, "1"))
 """The fewest BLOCK_N key tiles a live split holds (read at import; set_split_min_tiles).
@@ -513,6 +517,10 @@ faster than 1-tile splits in session 25, 1.037x in session 26; at the 1.5B shape
 32 (64 programs, below the threshold) it was 0.970x-0.990x, and 0.87x-0.97x at batch 1
 and 8 (both shapes), which the threshold leaves at MEGATRON_TLT_SPLIT_MIN_TILES. Long
 contexts keep their splits (a 1000-key context still takes three splits of six tiles).
+Session 28 (H100, this rule against FULL_GRID_MIN_TILES=1 with FULL_GRID_MERGE=False in
+one bench rollout run, benchmarks/results/gpu_2026-12-06_session28): the 7B decode step at
+batch 32 ran 1.040x faster with the rule (6.198 against 6.443 ms); the other shapes and
+batches, whose grids do not fill the SMs, 0.998x-1.005x (noise).
 Read at each launch; 1 turns it off (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:FULL_GRID_MIN_TILES=1; graphs recaptured)."""
 FULL_GRID_MERGE = True
@@ -522,7 +530,9 @@ with 4-tile splits a short context is one split that needs no merge, and the sec
 launch would only skip its rows. Session 25 (H100, process-wide 4-tile splits, bench
 rollout --compare-merge) timed the in-kernel merge 1.005x-1.020x faster than the combine
 launch in all 12 timings (1.5B / 7B, batch 1 / 8 / 32, PDL on and off). Read at each
-launch; False leaves the choice to MEGATRON_TLT_FUSED_COMBINE."""
+launch; False leaves the choice to MEGATRON_TLT_FUSED_COMBINE. Session 28 (H100, as
+FULL_GRID_MIN_TILES): the 7B step at batch 32 with 4-tile splits ran 1.017x faster
+merging in the kernel than in the combine launch (6.198 against 6.301 ms)."""
 _FULL_GRID_DEVICES = ("cuda",)  # tests add "cpu" to run the rule under the interpreter
 
 
@@ -622,7 +632,10 @@ def decode_stages(max_context: int, num_splits: int, block_n: int, min_tiles: in
     per-layer caches, benchmarks/results/gpu_2026-12-06_session27): with one-tile splits,
     1 stage took 1.07x-1.12x less time per call than 2 at the 1.5B and 7B shapes, batch
     1 / 8 / 32 (the same output bit for bit: pipelining reorders loads, not arithmetic);
-    with 4-tile splits 0.93x-0.96x, so longer splits keep 2."""
+    with 4-tile splits 0.93x-0.96x, so longer splits keep 2. Over whole decode steps
+    (session 28, H100, bench rollout --compare-attr gpu_model:ROPE_ATTENTION_STAGES=2,
+    benchmarks/results/gpu_2026-12-06_session28): 2 stages everywhere ran at 0.959x-0.997x
+    of this rule's speed at the 1.5B and 7B shapes, batch 1 / 8 / 32."""
     chunk = -(-max_context // max(1, num_splits))  # keys per split, before tile rounding
     tiles = max(-(-chunk // block_n), int(min_tiles))
     return 1 if tiles <= 1 else 2
@@ -646,7 +659,9 @@ contexts, benchmarks/results/gpu_2026-12-06_session27) timed the fused decode at
 the default three (384), and 1.11x at batch 8 with four (128) than with five; not yet
 timed over whole decode steps, and those contexts were short (212 keys): at long ones
 fewer programs per SM leave each SM one serial chain of key tiles, so it is not the
-default (FULL_GRID_MIN_TILES takes the short-context gain at full grids instead). Read
+default (FULL_GRID_MIN_TILES takes the short-context gain at full grids instead). Over
+whole decode steps (session 28, H100, bench rollout --compare-attr, the session 28
+results directory) 132 ran at 0.967x-1.004x of the default's speed, 264 0.994x-1.001x. Read
 at each choice, so an A/B run can set it (bench rollout --compare-attr
 megatron_tlt.rollout.triton_attention:SPLIT_PROGRAMS=132; graphs recaptured)."""
 
