@@ -88,6 +88,13 @@ pytest_stage() {
   tail -n 4 "$RESULTS/$log"
 }
 
+ab_bench() {  # ab_bench NAME RESERVE_S ARGS...: bench rollout (1.5B / 7B, batch 1 / 8 / 32, no HF)
+  local name=$1 reserve=$2; shift 2
+  timeout "$(upto "$reserve")" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_$name.json" \
+      --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf "$@" 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
+  echo "[runbook] $name bench: rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
+}
+
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/megatron*.whl > /dev/null 2>&1 || { [ -d /tmp/site/megatron ] || { echo "no megatron-core wheel in .whl"; exit 0; }; }
 $PY -c "import pytest" 2> /dev/null || $PY -m pip install -q --no-index --no-deps \
@@ -259,14 +266,11 @@ case "$STAGE" in
         -k "rope or split_merge or verify_kernel or causal or negative_control or pdl or cuda_graph_decode or decode_model"
     pytest_stage "warps spec tests" 150 gpu_tests_warps_spec.log tests/gpu/test_spec_gpu.py
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
-    timeout "$(upto 5)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_warps.json" \
-        --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
+    ab_bench warps 5 \
         --compare-attr "$G:NORM_WARPS=4;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" \
         --compare-attr "$G:NORM_WARPS=8;$G:ROPE_ATTENTION_WARPS=4;$A:ATTENTION_WARPS=4" \
         --compare-attr "$G:NORM_WARPS=32" \
-        --compare-attr "$G:ROPE_ATTENTION_WARPS=16;$A:ATTENTION_WARPS=16" 2>&1 \
-        | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
-    echo "[runbook] warps bench: rc=$? at $(( $(date +%s) - t0 )) s" ;;
+        --compare-attr "$G:ROPE_ATTENTION_WARPS=16;$A:ATTENTION_WARPS=16" ;;
   attn)
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
     if [ "${ATTN_PARTS:-bench}" = tests ]; then
@@ -274,16 +278,13 @@ case "$STAGE" in
           -k "rope_attention or fused_rope or split_merge or negative_control or cuda_graph_decode or pdl_decode"
       pytest_stage "attn spec tests" 5 gpu_tests_attn_spec.log tests/gpu/test_spec_gpu.py
     else
-      timeout "$(upto 120)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_attn.json" \
-          --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf \
+      ab_bench attn 120 \
           --compare-attr "$G:ROPE_ATTENTION_STAGES=2;$A:FULL_GRID_MIN_TILES=1;$A:FULL_GRID_MERGE=False" \
           --compare-attr "$G:ROPE_ATTENTION_STAGES=2" \
           --compare-attr "$A:FULL_GRID_MIN_TILES=1;$A:FULL_GRID_MERGE=False" \
           --compare-attr "$A:FULL_GRID_MERGE=False" \
           --compare-attr "$A:SPLIT_PROGRAMS=132" \
-          --compare-attr "$A:SPLIT_PROGRAMS=264" 2>&1 \
-          | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
-      echo "[runbook] attn bench: rc=$? at $(( $(date +%s) - t0 )) s"
+          --compare-attr "$A:SPLIT_PROGRAMS=264"
       for sb in "7b 32 2" "1.5b 1 1"; do
         set -- $sb
         timeout "$(upto 5)" $PY tools/attention_sweep.py --shape "$1" --batch "$2" --planes "$3" \
@@ -292,12 +293,33 @@ case "$STAGE" in
       done
       echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
     fi ;;
+  tiles)
+    # Session 28 (not yet run on a GPU): the norm prologue's first weight tile asked for
+    # before the row's mean square (triton_linear.NORM_EARLY_TILE, opt-in; the planner
+    # times the fused norm with it and keys its choice on it) and the fused attention's key
+    # tile (gpu_model.ROPE_ATTENTION_BLOCK_N, an A/B knob). TILES_PARTS=tests: their GPU
+    # tests (same bits early / late; fused == separate); else bench rollout side by side,
+    # then the 1.5B batch-1 profile with the planner's fused-prologue timings.
+    G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
+    L=megatron_tlt.rollout.triton_linear
+    if [ "${TILES_PARTS:-bench}" = tests ]; then
+      pytest_stage "tiles tests" 120 gpu_tests_tiles.log tests/gpu/test_engine_gpu.py \
+          -k "early_tile or fused_prologues or planner_fused or linear_configs or decode_model or cuda_graph_decode"
+      pytest_stage "tiles spec tests" 5 gpu_tests_tiles_spec.log tests/gpu/test_spec_gpu.py
+    else
+      ab_bench tiles 130 --compare-attr "$L:NORM_EARLY_TILE=True" \
+          --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32" --compare-attr "$A:FULL_GRID_MIN_TILES=2" \
+          --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32;$A:FULL_GRID_MIN_TILES=8"
+      timeout "$(upto 5)" $PY tools/profile_decode.py --shape 1.5b --batch 1 \
+          --json "$RESULTS/profile_1.5b_b1.json" 2>&1 | grep -E "us/step|fused prologues|rror" | head -n 4
+      echo "[runbook] tiles profile: at $(( $(date +%s) - t0 )) s"
+    fi ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles gputests)" ;;
 esac
 exit 0

@@ -62,21 +62,21 @@ def setting(warps=None, stages=None, block_n=None, full_grid=None):
     """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
     no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
     ta = triton_attention
-    saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for,
-             ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE)
+    saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
+             gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE)
     if warps is not None:
         gpu_model.ROPE_ATTENTION_WARPS = warps
     if stages is not None:
         gpu_model.ROPE_ATTENTION_STAGES = stages
     if block_n is not None:
-        gpu_model.block_n_for = lambda dtype: block_n  # noqa: E731
+        gpu_model.ROPE_ATTENTION_BLOCK_N = block_n
     if full_grid is False:
         ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE = 1, False
     try:
         yield
     finally:
-        (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES, gpu_model.block_n_for,
-         ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE) = saved
+        (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
+         gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE) = saved
 
 
 def time_graph(fn, reps: int) -> float:

@@ -136,6 +136,16 @@ num_stages); None: triton_attention.decode_stages in decode (1 while a split of 
 longest context, block_tables' width, holds one key tile, else 2), 2 in the verify (2
 everywhere until session 27). Read at each launch, as NORM_WARPS (tools/attention_sweep.py
 times others)."""
+ROPE_ATTENTION_BLOCK_N: int | None = None
+"""Keys per inner iteration of the _rope_attention_kernel (a power of two, at least 16);
+None: triton_attention.block_n_for the cache's dtype (64 for 16-bit caches, as the paged
+kernel's, so the two stay bit for bit the same). Split lengths count these tiles
+(FULL_GRID_MIN_TILES, MEGATRON_TLT_SPLIT_MIN_TILES), so a smaller tile also splits
+shorter contexts. Read at each launch, as NORM_WARPS, for A/B runs (bench rollout
+--compare-attr megatron_tlt.rollout.gpu_model:ROPE_ATTENTION_BLOCK_N=32): session 28's
+sweep (tools/attention_sweep.py, H100, benchmarks/results/gpu_2026-12-06_session28) timed
+32-key tiles 1.14x faster per call at the 7B shape, batch 32 (two live splits of four
+tiles instead of one), and 0.90x at the 1.5B shape, batch 1; not timed over whole steps."""
 
 
 def norm_warps(block: int) -> int:
@@ -520,7 +530,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     min_tiles = split_min_tiles(programs, qkv.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
-    block_n = block_n_for(k_cache.dtype)
+    block_n = ROPE_ATTENTION_BLOCK_N or block_n_for(k_cache.dtype)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"rope_attention: key tiles of {block_n} keys (need a power of two >= 16)")
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
     _rope_attention_kernel[grid](

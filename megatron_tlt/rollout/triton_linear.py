@@ -155,7 +155,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0):
+                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0, EARLY_T: tl.constexpr = 0):
     # Row tiles vary fastest: the programs that share a weight slab run side by side, so
     # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
     # and from L2 after (with one row tile the launch order is the (n, split) order).
@@ -180,6 +180,10 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     if PRE_T >= 4:
         w3 = _w_tile(w_rows, n_ok, k_lo + 3 * BLOCK_K, k_hi, BLOCK_K)
     pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store: rollout/pdl.py
+    # EARLY_T (the norm prologue, PRE_T 0): the first weight tile is asked for after the
+    # wait, but before the row's mean square, so its HBM latency passes under that loop.
+    if EARLY_T >= 1:
+        w0 = _w_tile(w_rows, n_ok, k_lo, k_hi, BLOCK_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rstd = tl.zeros([BLOCK_M], tl.float32)
@@ -196,7 +200,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products, reduced once at the end
-    if PRE_T >= 1:
+    if PRE_T + EARLY_T >= 1:
         if k_lo < k_hi:  # a split may hold fewer tiles (or none): the loop's steps exactly
             acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
                           r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr,
@@ -216,7 +220,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
             acc = _k_step(acc, w3, k_lo + 3 * BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
                           r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
                           w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
-    for k0 in range(k_lo + PRE_T * BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo + (PRE_T + EARLY_T) * BLOCK_K, k_hi, BLOCK_K):
         w = _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K)
         acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
                       nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT,
@@ -284,6 +288,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
     res = residual if residual is not None else weight
+    pre_t = preload_tiles(cfg, k_split, weight.element_size())
     _linear_kernel[grid](src, weight, out, m, n, k, stride_xm, weight.stride(0),
                          out.stride(0), out.stride(1), k_split, stride_xs,
                          bias if bias is not None else weight, res,
@@ -294,7 +299,7 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
                          PREFETCH=weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
                          LINE=max(1, 128 // weight.element_size()),
-                         PRE_T=preload_tiles(cfg, k_split, weight.element_size()),
+                         PRE_T=pre_t, EARLY_T=int(pro == 2 and pre_t == 0 and NORM_EARLY_TILE),
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
 
@@ -351,10 +356,23 @@ _FUSED_ROWS = int(os.environ.get("MEGATRON_TLT_FUSED_ROWS", "8"))
 """Rows up to which the planner times the SiLU / RMSNorm prologues (read at import; 1 was
 the limit before session 19): a speculative verify at batch 1 has Q = 5-8 rows, and
 whether re-reading them in every program beats a separate launch is the timing's call."""
+NORM_EARLY_TILE = False
+"""Whether a program of the RMSNorm prologue (norm_linear_partials) asks for its first
+weight tile before it sums its row's squares rather than after (when it preloads none
+before the PDL wait), so that the load's HBM latency passes under that loop. The same
+products in the same order, so the same bits (tests/unit/rollout/test_triton_linear_interp.py).
+Off until timed on a GPU (session 28 wrote it without one; runbook stage `tiles`): the
+planner kept the separate RMSNorm kernel at the 1.5B shape, batch 1 (session 27 profile),
+and this may tip that choice. Read at each launch, and part of the planner's key for the
+norm prologue, so an A/B run times both (bench rollout --compare-attr
+megatron_tlt.rollout.triton_linear:NORM_EARLY_TILE=True; graphs recaptured)."""
 
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
+_EARLY_TILE = "early_tile"
+"""A norm-prologue key's last entry when timed with NORM_EARLY_TILE (keys without it hold
+the other order's choices)."""
 
 
 def _row_bucket(m: int) -> int:
@@ -465,6 +483,8 @@ class LinearPlanner(PlanCache):
         key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         if row_local:
             key += (_ROW_LOCAL,)
+        if kind == "norm" and NORM_EARLY_TILE:
+            key += (_EARLY_TILE,)
         return self._choose(self.fused, key, lambda: self._tune_fused(
             kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
 

@@ -338,6 +338,28 @@ def test_fused_prologues_match_separate_kernels_bf16(hidden, inter):
         assert rel_err(out.sum(0), ref.sum(0)) < 1e-2, cfg
 
 
+@pytest.mark.parametrize("hidden", [1536, 3584])
+def test_norm_prologue_early_tile_same_bits_bf16(hidden, monkeypatch):
+    """triton_linear.NORM_EARLY_TILE on the GPU: every Triton config of the QKV shape at
+    batch 1 gives the same planes and residual bit for bit with the first weight tile
+    asked for before the mean square as after; zeroing that tile changes them (control)."""
+    from megatron_tlt.rollout import triton_linear as tlin
+    g = torch.Generator().manual_seed(hidden + 1)
+    h = torch.randn(4, 1, hidden, generator=g).to(CUDA)
+    res = torch.randn(1, hidden, generator=g).to(torch.bfloat16).to(CUDA)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16).to(CUDA)
+    qkv = (0.02 * torch.randn(2048 if hidden == 1536 else 4608, hidden, generator=g)).to(torch.bfloat16).to(CUDA)
+    for cfg in [c for c in candidate_configs(1, qkv.shape[0], hidden) if c.kind != "cublas"]:
+        monkeypatch.setattr(tlin, "NORM_EARLY_TILE", False)
+        late, late_res = norm_linear_partials(h, res, nw, 1e-6, qkv, cfg)
+        monkeypatch.setattr(tlin, "NORM_EARLY_TILE", True)
+        early, early_res = norm_linear_partials(h, res, nw, 1e-6, qkv, cfg)
+        assert torch.equal(early, late) and torch.equal(early_res, late_res), cfg
+        zeroed = qkv.clone()
+        zeroed[:, :cfg.block_k] = 0
+        assert not torch.equal(norm_linear_partials(h, res, nw, 1e-6, zeroed, cfg)[0], early), cfg
+
+
 def test_planner_fused_choice_is_timed_against_two_kernels():
     planner = LinearPlanner()
     gu = torch.randn(1, 1, 2 * 8960, device=CUDA)

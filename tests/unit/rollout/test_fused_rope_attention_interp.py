@@ -169,6 +169,34 @@ def test_full_grid_minimum_is_one_for_attention_and_merge(q, full_merge, monkeyp
         assert not torch.allclose(bad, one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[6]], ids=["gqa3", "bias-planes", "tree-q5"])
+def test_key_tile_override_matches_default_tiles(case, block_n, monkeypatch):
+    """gpu_model.ROPE_ATTENTION_BLOCK_N (an A/B knob; float32 caches default to 32-key
+    tiles): other tiles sum the keys in another order, so the output agrees with the
+    default's within 1e-5 (not bit for bit; with splits the live splits differ too), the
+    cache writes are equal, and the same comparison fails for a position off by one
+    (negative control); values that are no power of two >= 16 are refused."""
+    from megatron_tlt.rollout import gpu_model
+    _, ctx, heads, kvh, d, page, planes, bias, q = case
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=11, q=q)
+    live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+    k1, v1 = kc.clone(), vc.clone()
+    ref = _fused(qkv, pos, slots, cos, sin, k1, v1, meta, kw, 3)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_BLOCK_N", block_n)
+    k2, v2 = kc.clone(), vc.clone()
+    out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, 3)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+    torch.testing.assert_close(out[live], ref[live], rtol=0, atol=1e-5)
+    bad = _fused(qkv, pos + 1, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
+    assert (bad[live] - ref[live]).abs().max() > 1e-3
+    for wrong in (8, 48):
+        monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_BLOCK_N", wrong)
+        with pytest.raises(ValueError, match="power of two"):
+            _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
+
+
 @pytest.mark.parametrize("q", [1, 5])
 def test_comparison_catches_a_wrong_position_and_a_missing_write(q):
     """Negative controls: the same comparison fails when the fused kernel is given other
