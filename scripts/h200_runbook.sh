@@ -294,20 +294,24 @@ case "$STAGE" in
       echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
     fi ;;
   tiles)
-    # Session 28 (not yet run on a GPU): the norm prologue's first weight tile asked for
-    # before the row's mean square (triton_linear.NORM_EARLY_TILE, opt-in; the planner
-    # times the fused norm with it and keys its choice on it) and the fused attention's key
-    # tile (gpu_model.ROPE_ATTENTION_BLOCK_N, an A/B knob). TILES_PARTS=tests: their GPU
-    # tests (same bits early / late; fused == separate); else bench rollout side by side,
-    # then the 1.5B batch-1 profile with the planner's fused-prologue timings.
+    # Session 28 (not yet run on a GPU), all opt-in: the norm prologue's first weight tile
+    # asked for before the row's mean square (triton_linear.NORM_EARLY_TILE; the planner
+    # times the fused norm with it and keys its choice on it), decode's split-K attention
+    # merge in the O projection's prologue (gpu_model.MERGE_PROLOGUE; planner-timed against
+    # the combine launch) and the fused attention's key tile (gpu_model.ROPE_ATTENTION_BLOCK_N).
+    # TILES_PARTS=tests: their GPU tests (same bits early / late; merge prologue == combine
+    # within bf16 rounding, graph == eager); else bench rollout side by side, then the
+    # 1.5B batch-1 profile with the planner's fused-prologue timings.
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
     L=megatron_tlt.rollout.triton_linear
     if [ "${TILES_PARTS:-bench}" = tests ]; then
       pytest_stage "tiles tests" 120 gpu_tests_tiles.log tests/gpu/test_engine_gpu.py \
-          -k "early_tile or fused_prologues or planner_fused or linear_configs or decode_model or cuda_graph_decode"
+          -k "early_tile or merge_prologue or fused_prologues or planner_fused or linear_configs or decode_model or cuda_graph_decode"
       pytest_stage "tiles spec tests" 5 gpu_tests_tiles_spec.log tests/gpu/test_spec_gpu.py
     else
       ab_bench tiles 130 --compare-attr "$L:NORM_EARLY_TILE=True" \
+          --compare-attr "$G:MERGE_PROLOGUE=True" \
+          --compare-attr "$G:MERGE_PROLOGUE=True;$L:NORM_EARLY_TILE=True" \
           --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32" --compare-attr "$A:FULL_GRID_MIN_TILES=2" \
           --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32;$A:FULL_GRID_MIN_TILES=8"
       timeout "$(upto 5)" $PY tools/profile_decode.py --shape 1.5b --batch 1 \

@@ -22,6 +22,7 @@ from megatron_tlt.rollout.gpu_model import (FUSED_ROPE_ENV, DecodeModel,  # noqa
 from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import rope_table  # noqa: E402
 from megatron_tlt.rollout.triton_attention import paged_attention  # noqa: E402
+from megatron_tlt.rollout.triton_linear import LinearConfig, LinearPlanner  # noqa: E402
 
 
 def random_tree(q: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
@@ -297,3 +298,103 @@ def test_forward_fused_rope_equals_separate(family, monkeypatch):
     check(logits)
     # 3 decode steps, 1 verify, x 2 layers
     assert calls == ([] if family == "qwen3" else [False] * 6 + [True] * 2)
+
+
+MERGE_CFGS = [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=2),
+              LinearConfig("fma", block_m=1, block_n=8, block_k=32, splits=1)]
+
+
+@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("cfg", MERGE_CFGS, ids=str)
+def test_merge_in_the_output_projection_prologue(cfg, splits):
+    """rope_attention(defer_merge=True) leaves decode's split-K partials unmerged (the rows
+    whose context fits one split written, the others not); merge_linear_partials merges
+    them in the O projection's prologue: within 1e-5 of _combine_kernel + the projection
+    (the splits summed in another order), and the deferred merge by combine_pending equals
+    the undeferred launch bit for bit. Neither reads what it must not: the partials of rows
+    of one live split and the unwritten output rows of the others are NaN here. Control:
+    one live split's maximum changed changes the planes."""
+    from megatron_tlt.rollout.triton_attention import PendingMerge, combine_pending
+    from megatron_tlt.rollout.triton_linear import linear_partials, merge_linear_partials
+    ctx = [1, 7, 40, 13] if cfg.kind == "dot" else [40]
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=6, kvh=2, d=16, page=4, planes=1, bias=False, seed=splits)
+    ref = _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, splits)
+    out, pend = rope_attention(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(),
+                               scale=kw["head_dim"] ** -0.5, num_splits=splits,
+                               defer_merge=True, **meta, **kw)
+    assert isinstance(pend, PendingMerge) and pend.num_splits == splits
+    alone = [i for i, c in enumerate(ctx) if c <= 32]  # 32-key float32 tiles: one split
+    assert alone != list(range(len(ctx))) or cfg.kind == "fma"
+    for i, c in enumerate(ctx):
+        if i in alone:  # written by its one split; its partials are never read
+            assert torch.equal(out[i], ref[i])
+            pend.po[i], pend.pm[i], pend.pl[i] = float("nan"), float("nan"), float("nan")
+        else:  # not written (merged from the partials), so never read
+            out[i] = float("nan")
+    assert torch.equal(combine_pending(out.clone(), pend), ref)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(20, 6 * 16, generator=g)
+    planes = merge_linear_partials(out, pend, w, cfg)
+    assert torch.isfinite(planes).all()
+    want = linear_partials(ref.view(len(ctx), -1), w, cfg)
+    torch.testing.assert_close(planes, want, atol=1e-5, rtol=1e-5)
+    split_row = next(i for i, c in enumerate(ctx) if c > 32)
+    pm = pend.pm.clone()
+    pm[split_row, :, 0] += 1.0
+    bad = merge_linear_partials(out, pend._replace(pm=pm), w, cfg)
+    assert (bad - want).abs().max() > 1e-3
+
+
+def test_decode_forward_with_the_merge_prologue(monkeypatch):
+    """DecodeModel with gpu_model.MERGE_PROLOGUE: the O projection merges the attention's
+    split-K partials once per layer and decode step (counted), the logits within 1e-4 of
+    the model without it and the greedy tokens the same, over three decode steps of a
+    three-sequence batch with split-K (two sequences with several live splits, one with
+    one); the verify forward never defers its merge."""
+    from megatron_tlt.rollout import gpu_model, triton_linear
+    calls = []
+    real = triton_linear.merge_linear_partials
+    monkeypatch.setattr(gpu_model, "merge_linear_partials",  # records: a context past one tile
+                        lambda *a, **k: calls.append(bool((a[1].context_lens > 16).any())) or real(*a, **k))
+    arch = ModelArch(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=True)
+    w = EngineWeights.make_dummy(arch, seed=3)
+    cos, sin = rope_table(64, 16, 10000.0)
+    model = DecodeModel(arch, w, cos, sin, planner=LinearPlanner(fixed=MERGE_CFGS[0], fixed_fused=True))
+    assert model.fused_rope
+    g = torch.Generator().manual_seed(4)
+    caches = [PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=36, block_size=4)
+              for _ in range(2)]
+    for layer in range(2):
+        k, v = torch.randn(caches[0].k[layer].shape, generator=g), torch.randn(caches[0].v[layer].shape, generator=g)
+        for c in caches:
+            c.k[layer].copy_(k)
+            c.v[layer].copy_(v)
+    bt = torch.randperm(36, generator=g).view(3, 12).to(torch.int32)
+    pos = torch.tensor([30, 0, 18], dtype=torch.int32)
+    # 16-key tiles: contexts 31-33 and 19-21 take two or three live splits of four
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_BLOCK_N", 16)
+    ids = torch.tensor([3, 250, 7], dtype=torch.int32)
+    slot = lambda b, p: bt[b, p // 4] * 4 + p % 4  # noqa: E731
+    for _ in range(3):
+        slots = torch.stack([slot(b, p) for b, p in enumerate(pos.tolist())])
+        logits = []
+        for flag, c in zip((False, True), caches):
+            monkeypatch.setattr(gpu_model, "MERGE_PROLOGUE", flag)
+            logits.append(model.forward(ids, pos, slots, bt, pos + 1, c, num_splits=4))
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+        ids = logits[0].argmax(-1).to(torch.int32)
+        pos = pos + 1
+    assert calls == [True] * (3 * 2)
+    q = 4
+    trees = [random_tree(q, g) for _ in range(3)]
+    vslots = torch.stack([slot(b, int(pos[b]) + j) for b in range(3) for j in range(q)])
+    vpos = torch.tensor([int(pos[b]) + dep for b, (_, depth) in enumerate(trees) for dep in depth],
+                        dtype=torch.int32)
+    model.forward(torch.randint(0, 300, (3 * q,), generator=g, dtype=torch.int32), vpos, vslots, bt,
+                  pos + q, caches[1], num_splits=3, query_start=torch.arange(4, dtype=torch.int32) * q,
+                  tree_mask=torch.stack([m for m, _ in trees]))
+    assert len(calls) == 3 * 2
