@@ -315,6 +315,7 @@ case "$STAGE" in
           --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32" --compare-attr "$A:FULL_GRID_MIN_TILES=2" \
           --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32;$A:FULL_GRID_MIN_TILES=8"
       timeout "$(upto 5)" $PY tools/profile_decode.py --shape 1.5b --batch 1 \
+          --attr "$L:NORM_EARLY_TILE=True;$G:MERGE_PROLOGUE=True" \
           --json "$RESULTS/profile_1.5b_b1.json" 2>&1 | grep -E "us/step|fused prologues|rror" | head -n 4
       echo "[runbook] tiles profile: at $(( $(date +%s) - t0 )) s"
     fi ;;

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one decode step of the engine's fused forward (eager, so the
 profiler sees every kernel; graph replay runs the same kernels back to back).
 
-    python tools/profile_decode.py --shape 1.5b --batch 1 [--json FILE]
+    python tools/profile_decode.py --shape 1.5b --batch 1 [--attr MODULE:NAME=VALUE ...] [--json FILE]
 
 Prints kernel name, calls per step and microseconds per step, sorted by time, and the
 sum against the measured step time: the difference is launch gaps that CUDA graphs remove.
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_tlt.bench import SHAPES, random_weights
+from megatron_tlt.bench import SHAPES, _git_revision, parse_attrs, random_weights
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.engine import RolloutEngine
 from megatron_tlt.rollout.request import Request
@@ -29,8 +31,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--attr", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                   help="set a kernel setting first (bench rollout --compare-attr's syntax; "
+                        "';' joins several); repeatable")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    for spec in a.attr:
+        for mod, name, value in parse_attrs(spec):
+            setattr(mod, name, value)
     arch = ModelArch(**SHAPES[a.shape])
     w = random_weights(arch, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
     page = 16
@@ -77,11 +85,14 @@ def main() -> None:
         print(f"{us:9.1f} us {calls:6.1f}x  {name[:110]}")
     plans = {str(k[:3]): [str(c), round(us, 2)] for k, (c, us) in runner.model.planner.plans.items()}
     print("plans:", plans)
-    fused = {str(k[:5]): [str(c), round(f, 2), round(u, 2)] for k, (c, f, u) in runner.model.planner.fused.items()}
+    fused = {str(tuple(x for x in k if not isinstance(x, torch.dtype))): [str(c), round(f, 2), round(u, 2)]
+             for k, (c, f, u) in runner.model.planner.fused.items()}
     print("fused prologues (config or None, fused us, unfused us):", fused)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": a.shape, "batch": a.batch, "context": a.context,
+            json.dump({"command": shlex.join(["python", *sys.argv]), "git_revision": _git_revision(),
+                       "attrs": a.attr, "device": torch.cuda.get_device_name(),
+                       "shape": a.shape, "batch": a.batch, "context": a.context,
                        "kernel_us_per_step": total, "graph_us_per_step": statistics.median(ts),
                        "kernels": [{"name": r[0], "calls": r[1], "us": r[2]} for r in rows],
                        "plans": plans, "fused": fused, "planner_timings": {str(k[:3]): v for k, v in runner.model.planner.timings.items()}},
