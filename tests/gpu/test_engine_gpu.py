@@ -1238,22 +1238,25 @@ def test_merge_prologue_graph_decode_equals_eager(monkeypatch):
     a near-tie of decode without the prologue (inputs may differ in the last bit); the
     prologue really ran in both (counted)."""
     from megatron_tlt.rollout import gpu_model
+    from megatron_tlt.rollout.triton_linear import MERGE_MAX_SPLITS
     dtype = torch.bfloat16
     arch, w = small_model(dtype, seed=9)
     reqs = requests(arch.vocab_size, ragged_specs(7, seed=9, new=24), seed=9)
-    plain = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True).generate(reqs)
+    short = dict(attention_backend="triton", max_model_len=512)  # at most 8 splits of 64 keys
+    plain = engine(arch, w, dtype, cuda_graphs=True, **short).generate(reqs)
     ran = []
 
     def fixed(self, attn, pend, weight):
+        assert pend.num_splits <= MERGE_MAX_SPLITS
         ran.append(attn.shape[0])
         m = attn.shape[0]
         return [c for c in candidate_configs(m, weight.shape[0], weight.shape[1]) if c.kind != "cublas"][-1]
 
     monkeypatch.setattr(LinearPlanner, "merge_config", fixed)
     monkeypatch.setattr(gpu_model, "MERGE_PROLOGUE", True)
-    eager = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=False).generate(reqs)
+    eager = engine(arch, w, dtype, cuda_graphs=False, **short).generate(reqs)
     n_eager = len(ran)
-    graph = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=True).generate(reqs)
+    graph = engine(arch, w, dtype, cuda_graphs=True, **short).generate(reqs)
     assert n_eager > 0 and len(ran) > n_eager
     for x, y in zip(eager, graph):
         assert x.error is None and x.token_ids == y.token_ids
