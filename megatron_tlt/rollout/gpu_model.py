@@ -46,10 +46,9 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    MODE_TREE, PendingMerge, _attend, _finish,
                                                    _load_kv, _n_merge, _program, _query_rows,
                                                    _split_range, block_n_for, decode_stages,
-                                                   merge_in_kernel, attention_warps,
-                                                   combine_pending, combine_splits,
-                                                   paged_attention, split_buffers,
-                                                   split_min_tiles, split_strides)
+                                                   attention_warps, combine_pending,
+                                                   combine_splits, paged_attention,
+                                                   split_buffers, split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
                                                 merge_linear_partials, norm_linear_partials,
                                                 silu_linear_partials)
@@ -540,9 +539,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     row_tiles = -(-rows // block_m)
     num_splits = max(1, int(num_splits))
     out = torch.empty(t, num_heads, head_dim, dtype=k_cache.dtype, device=qkv.device)
-    programs = bsz * kvh * row_tiles  # before splitting
-    merge = merge_in_kernel(num_splits, programs, qkv.device)
-    min_tiles = split_min_tiles(programs, qkv.device)
+    merge, min_tiles = split_settings(num_splits, bsz * kvh * row_tiles, qkv.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     sp = num_splits > 1
     block_n = ROPE_ATTENTION_BLOCK_N or block_n_for(k_cache.dtype)

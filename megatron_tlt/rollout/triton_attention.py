@@ -565,6 +565,12 @@ def merge_in_kernel(num_splits: int, programs: int, device: torch.device | str) 
     return _MERGE or (bool(FULL_GRID_MERGE) and full_grid(programs, device))
 
 
+def split_settings(num_splits: int, programs: int, device: torch.device | str) -> tuple[bool, int]:
+    """(merge_in_kernel, split_min_tiles) of one attention launch of `num_splits` splits over
+    `programs` (sequence, KV head, row tile) programs: its kernels and merge take both."""
+    return merge_in_kernel(num_splits, programs, device), split_min_tiles(programs, device)
+
+
 def set_split_min_tiles(n: int) -> int:
     """Set the process's minimum (A/B benchmarks: bench rollout --compare-split-min);
     returns the previous one. Captured CUDA graphs keep the value they were captured with,
@@ -814,9 +820,7 @@ def paged_attention(q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
     num_splits = max(1, int(num_splits))
     if out is None:
         out = torch.empty_like(q)
-    programs = bsz * kvh * row_tiles  # before splitting
-    merge = merge_in_kernel(num_splits, programs, q.device)
-    min_tiles = split_min_tiles(programs, q.device)
+    merge, min_tiles = split_settings(num_splits, bsz * kvh * row_tiles, q.device)
     po, pm, pl, lk = split_buffers(out, num_splits, merge)
     grid = (bsz, kvh, row_tiles * num_splits)
     _paged_attention_kernel[grid](

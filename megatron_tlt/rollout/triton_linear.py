@@ -613,13 +613,18 @@ class LinearPlanner(PlanCache):
         _, proj_us = self._plan(out.view(m, -1), weight, m, True, False)  # the unfused plan
         ws = _weight_copies(weight)
         unfused = _time_us(lambda i: combine_pending(out, p), self.iters) + proj_us
+        return self._fastest_fused(m, n, k, unfused, lambda cfg, i: merge_linear_partials(
+            out, p, ws[i % len(ws)], cfg))
+
+    def _fastest_fused(self, m, n, k, unfused: float, call) -> tuple[LinearConfig | None, float, float]:
+        """(config, us, unfused us): the fastest Triton config of call(cfg, i) (a fused
+        projection cycling through weight copies), or None with `unfused` when none beats it."""
         best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
             if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
                 continue
             try:
-                us = _time_us(lambda i: merge_linear_partials(out, p, ws[i % len(ws)], cfg),  # noqa: B023
-                              self.iters)
+                us = _time_us(lambda i: call(cfg, i), self.iters)  # noqa: B023
             except Exception:  # a config that does not compile on this device
                 continue
             if us < best_us:
@@ -642,21 +647,11 @@ class LinearPlanner(PlanCache):
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
         unfused = _time_us(consumer, self.iters) + proj_us
-        best, best_us = None, unfused
-        for cfg in candidate_configs(m, n, k):
-            if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
-                continue
-            if kind == "norm":
-                fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023
-            else:
-                fn = lambda i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731,B023
-            try:
-                us = _time_us(fn, self.iters)
-            except Exception:  # a config that does not compile on this device
-                continue
-            if us < best_us:
-                best, best_us = cfg, us
-        return best, best_us, unfused
+        if kind == "norm":
+            call = lambda cfg, i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731
+        else:
+            call = lambda cfg, i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731
+        return self._fastest_fused(m, n, k, unfused, call)
 
     def _tune(self, x, weight, key) -> tuple[LinearConfig, float]:
         m, n, k = key[:3]
