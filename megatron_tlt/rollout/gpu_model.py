@@ -43,15 +43,13 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
-                                                   MODE_TREE, PendingMerge, _attend, _finish,
-                                                   _load_kv, _n_merge, _program, _query_rows,
-                                                   _split_range, block_n_for, decode_stages,
-                                                   attention_warps, combine_pending,
-                                                   combine_splits, paged_attention,
-                                                   split_buffers, split_settings, split_strides)
+                                                   MODE_TREE, _attend, _finish, _load_kv,
+                                                   _n_merge, _program, _query_rows, _split_range,
+                                                   block_n_for, decode_stages, attention_warps,
+                                                   combine_splits, paged_attention, split_buffers,
+                                                   split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
-                                                merge_linear_partials, norm_linear_partials,
-                                                silu_linear_partials)
+                                                norm_linear_partials, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -146,16 +144,10 @@ shorter contexts. Read at each launch, as NORM_WARPS, for A/B runs (bench rollou
 --compare-attr megatron_tlt.rollout.gpu_model:ROPE_ATTENTION_BLOCK_N=32): session 28's
 sweep (tools/attention_sweep.py, H100, benchmarks/results/gpu_2026-12-06_session28) timed
 32-key tiles 1.14x faster per call at the 7B shape, batch 32 (two live splits of four
-tiles instead of one), and 0.90x at the 1.5B shape, batch 1; not timed over whole steps."""
-MERGE_PROLOGUE = False
-"""Whether decode hands the fused attention's unmerged split-K partials to the output
-projection (rope_attention's defer_merge), whose planner times the merge in the GEMV's
-prologue against _combine_kernel + the projection and runs the faster (merge_linear): one
-launch per layer fewer where it wins. It matters where decode merges in a separate launch:
-grids below FULL_GRID_MIN_TILES' threshold with several live splits (the 1.5B shape at
-every batch here, the 7B at batch 1 and 8). Opt-in since session 28, written without a
-GPU (runbook stage `tiles`); read at each forward (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:MERGE_PROLOGUE=True; graphs recaptured)."""
+tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (session 29,
+H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
+0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
+shape: it stays 64."""
 
 
 def norm_warps(block: int) -> int:
@@ -487,8 +479,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
                    bias: torch.Tensor | None = None,
                    query_start: torch.Tensor | None = None,  # [B + 1] with tree_mask; None: decode
                    tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
-                   num_splits: int = 1,
-                   defer_merge: bool = False):  # [T, H, D] attention output (see defer_merge)
+                   num_splits: int = 1) -> torch.Tensor:  # [T, H, D] attention output
     """qkv_rope_write_kv followed by paged_attention in one kernel launch (plus
     _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
     with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
@@ -498,10 +489,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     may be that kernel's output (in DecodeModel it is the QKV projection; rollout/pdl.py).
     No q/k norm (Qwen3): the norm's sum of squares is reduced in whatever layout the
     compiler picks for each kernel, and the two kernels' orders differed on the H100
-    (session 24), so such models keep the separate kernels (DecodeModel.fused_rope).
-    defer_merge: returns (output, PendingMerge or None); in decode a split-K launch that
-    would run _combine_kernel leaves the partials to the caller instead (the rows whose
-    context fits one split are written; merge_linear / combine_pending do the rest)."""
+    (session 24), so such models keep the separate kernels (DecodeModel.fused_rope)."""
     qkv = _planes(qkv)
     s_in, t = qkv.shape[0], qkv.shape[1]
     nb, page, kvh, hd = k_cache.shape
@@ -566,11 +554,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
             if mode == MODE_DECODE else 2), **pdl.kwargs())
     if sp and not merge:
-        if defer_merge and mode == MODE_DECODE:
-            return out, PendingMerge(po, pm, pl, context_lens, block_n, min_tiles)
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE,
                        min_tiles=min_tiles)
-    return (out, None) if defer_merge else out
+    return out
 
 
 @triton.jit
@@ -616,21 +602,6 @@ def norm_linear(planner: LinearPlanner, h: torch.Tensor, residual: torch.Tensor,
         return norm_linear_partials(planes, residual, norm_weight, eps, weight, cfg, bias=bias)
     y = rms_norm(h, norm_weight, eps, residual=residual, bias=bias)
     return linear_partials(y, weight, planner.config(y, weight, rows=rows, row_local=row_local)), residual
-
-
-def merge_linear(planner: LinearPlanner, attn: torch.Tensor, pend: PendingMerge | None,
-                 weight: torch.Tensor, *, fuse: bool) -> torch.Tensor:
-    """o_proj(attention output) as planes, where `pend` (rope_attention's defer_merge) holds
-    its unmerged split-K partials: with `fuse`, merged in the projection's prologue when
-    the planner timed that faster (LinearPlanner.merge_config), else by _combine_kernel
-    first (the launches of rope_attention without defer_merge)."""
-    if pend is not None:
-        cfg = planner.merge_config(attn, pend, weight) if fuse else None
-        if cfg is not None:
-            return merge_linear_partials(attn, pend, weight, cfg)
-        combine_pending(attn, pend)
-    x = attn.view(attn.shape[0], -1)
-    return linear_partials(x, weight, planner.config(x, weight))
 
 
 def silu_linear(planner: LinearPlanner, gate_up: torch.Tensor, weight: torch.Tensor,
@@ -736,12 +707,10 @@ class DecodeModel:
                          bias=lw.qkv_bias)
             if self.fused_rope and max_query_len is None and lw.q_norm is None:
                 # decode or verify: one launch fewer (rope_attention: no q/k-norm models)
-                o, pend = rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
-                                         kv_cache.k[layer], kv_cache.v[layer], block_tables,
-                                         context_lens, scale=self.scale, num_splits=num_splits,
-                                         query_start=query_start, tree_mask=tree_mask,
-                                         defer_merge=True, **heads)
-                h = merge_linear(plan, o, pend, lw.o_weight, fuse=bool(MERGE_PROLOGUE))
+                o = rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
+                                   kv_cache.k[layer], kv_cache.v[layer], block_tables,
+                                   context_lens, scale=self.scale, num_splits=num_splits,
+                                   query_start=query_start, tree_mask=tree_mask, **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
                                       kv_cache.k[layer], kv_cache.v[layer], q_norm=lw.q_norm,
@@ -749,7 +718,7 @@ class DecodeModel:
                 o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
-                h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
+            h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
                                                   lw.gate_up_weight, bias=lw.o_bias)
             h = silu_linear(plan, gate_up, lw.down_weight, residual.dtype)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -716,30 +715,6 @@ def split_strides(po, pm, num_splits: int) -> tuple[int, int, int, int, int]:
     if num_splits == 1:
         return 0, 0, 0, 0, 0
     return po.stride(0), po.stride(1), po.stride(2), pm.stride(0), pm.stride(1)
-
-
-class PendingMerge(NamedTuple):
-    """A decode split-K attention launch's partials left unmerged (gpu_model.rope_attention
-    with defer_merge): the output projection may merge them in its prologue
-    (triton_linear.merge_linear_partials), or combine_pending runs _combine_kernel."""
-    po: torch.Tensor  # [T, H, S, D] float32 partial outputs
-    pm: torch.Tensor  # [T, H, S] float32 maxima (log2 domain)
-    pl: torch.Tensor  # [T, H, S] float32 sums
-    context_lens: torch.Tensor  # [T] the launch's (row t is sequence t)
-    block_n: int  # the launch's key tile
-    min_tiles: int  # and its minimum tiles per live split (split_min_tiles)
-
-    @property
-    def num_splits(self) -> int:
-        return self.po.shape[2]
-
-
-def combine_pending(out: torch.Tensor, pend: PendingMerge) -> torch.Tensor:
-    """out <- the merge of pend's partials (_combine_kernel, decode), as the attention launch
-    would have run it; returns out."""
-    combine_splits(pend.po, pend.pm, pend.pl, out, pend.context_lens, block_n=pend.block_n,
-                   decode=True, min_tiles=pend.min_tiles)
-    return out
 
 
 def combine_splits(po, pm, pl, out, context_lens, *, block_n: int, decode: bool,

@@ -21,9 +21,9 @@ Prologues (dot configs, and fma configs for one row): the input tile can be comp
 the kernel from the previous kernels' inputs instead of being read: SiLU(gate) * up from
 gate/up planes (the down projection), or RMSNorm(residual + planes) (the QKV and gate_up
 projections; every program first sums the whole row's squares, so this pays only for a
-row or two). Same roundings as the separate kernels; one launch fewer each. And, opt-in
-(gpu_model.MERGE_PROLOGUE), the output projection's input merged from decode attention's
-split-K partials (merge_linear_partials) instead of by _combine_kernel.
+row or two). Same roundings as the separate kernels; one launch fewer each. (Dropped after
+session 29's H100 A/B, 0.998x-1.004x per step and never picked by the planner: the norm
+prologue's first weight tile loaded early, and decode's split-K merge in the O projection.)
 
 `LinearPlanner` picks, per (M, N, K, dtype), the fastest of cuBLAS and a few Triton
 configs by timing them once on the device as CUDA-graph replays (outside any capture),
@@ -47,7 +47,6 @@ import triton.language as tl
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.host import graph_capture
 from megatron_tlt.rollout.linear_plans import CUBLAS, LinearConfig, PlanCache, PlanFile  # noqa: F401 (re-exported)
-from megatron_tlt.rollout.triton_attention import PendingMerge, _split_range, combine_pending
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 
 
@@ -91,46 +90,6 @@ def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride
 
 
 @triton.jit
-def _merge_tile(x_ptr, stride_xm, po_ptr, pm_ptr, pl_ptr, stride_pot, stride_poh, stride_pos,
-                stride_pmt, stride_pmh, rm, m_ok, n_live, k0, k_hi, w_ptr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_SPLITS: tl.constexpr):
-    """PRO 3: the decode attention output's [BLOCK_M, BLOCK_K] tile (columns head * HEAD_DIM
-    + d) in the model dtype, merged here from the split-K partials (triton_attention's
-    split_buffers) instead of by _combine_kernel: per row and head the largest split
-    maximum first, then the live splits' sums and outputs weighted by exp2(m - max), in
-    split order, divided, rounded. Rows whose context fits one split (n_live 1) read the
-    output that split wrote. In decode every live split wrote its partials, so all loads
-    are independent of each other (the split loop is unrolled: NUM_SPLITS is small)."""
-    DT = w_ptr.dtype.element_ty
-    rk = k0 + tl.arange(0, BLOCK_K)
-    hd = rk // HEAD_DIM
-    ok = m_ok[:, None] & (rk < k_hi)[None, :]
-    rows = rm.to(tl.int64)[:, None]
-    split_rows = (n_live > 1)[:, None]
-    ml = rows * stride_pmt + hd[None, :] * stride_pmh
-    m_max = tl.zeros([BLOCK_M, BLOCK_K], tl.float32) - float("inf")
-    for s in tl.static_range(NUM_SPLITS):
-        live = ok & split_rows & (s < n_live[:, None])
-        m_max = tl.maximum(m_max, tl.load(pm_ptr + ml + s, mask=live, other=float("-inf")))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    po = po_ptr + rows * stride_pot + hd[None, :] * stride_poh + (rk % HEAD_DIM)[None, :]
-    l_acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    o_acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        live = ok & split_rows & (s < n_live[:, None])
-        m = tl.load(pm_ptr + ml + s, mask=live, other=float("-inf"))
-        l = tl.load(pl_ptr + ml + s, mask=live, other=0.0)
-        o = tl.load(po + s * stride_pos, mask=live, other=0.0)
-        w = tl.exp2(m - m_max)
-        l_acc += tl.where(live, w * l, 0.0)
-        o_acc += tl.where(live, w * o, 0.0)
-    merged = (o_acc / tl.where(l_acc > 0, l_acc, 1.0)).to(DT)
-    alone = tl.load(x_ptr + rows * stride_xm + rk[None, :], mask=ok & (n_live == 1)[:, None], other=0.0)
-    return tl.where(split_rows, merged, alone.to(DT))
-
-
-@triton.jit
 def _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, mask,
                   w_ptr, S_IN: tl.constexpr, HAS_BIAS: tl.constexpr):
     """round(round(sum of planes (+ bias)) + residual), float32 [BLOCK_M, BLOCK_K], rounded
@@ -171,24 +130,18 @@ def _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
 def _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr,
             stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m,
             BLOCK_K: tl.constexpr, DOT: tl.constexpr, S_IN: tl.constexpr, PRO: tl.constexpr,
-            HAS_BIAS: tl.constexpr, xt=0):
+            HAS_BIAS: tl.constexpr):
     """acc plus the weight tile w (columns k0 ..) times its input tile: a tl.dot into
-    acc [BLOCK_M, BLOCK_N] (dot configs), or products into acc [BLOCK_N, BLOCK_K] (fma).
-    PRO 3: the input tile is `xt` (the caller's _merge_tile)."""
+    acc [BLOCK_M, BLOCK_N] (dot configs), or products into acc [BLOCK_N, BLOCK_K] (fma)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     k_ok = rk < k_hi
     if DOT:
-        if PRO == 3:
-            x = xt
-        else:
-            x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
-                        rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
+        x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                    rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     else:  # BLOCK_M == 1: plain x, or the prologue's [1, BLOCK_K] tile
         if PRO == 0:
             x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        elif PRO == 3:
-            x = xt.to(tl.float32)
         else:
             x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
                         rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
@@ -204,11 +157,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0, EARLY_T: tl.constexpr = 0,
-                   po_ptr=None, pm_ptr=None, pl_ptr=None, ctx_ptr=None, stride_pot=0,
-                   stride_poh=0, stride_pos=0, stride_pmt=0, stride_pmh=0, stride_ctx=0,
-                   HEAD_DIM: tl.constexpr = 1, NUM_SPLITS: tl.constexpr = 1,
-                   ATT_BLOCK_N: tl.constexpr = 64, MIN_TILES: tl.constexpr = 1):
+                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0):
     # Row tiles vary fastest: the programs that share a weight slab run side by side, so
     # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
     # and from L2 after (with one row tile the launch order is the (n, split) order).
@@ -233,16 +182,9 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     if PRE_T >= 4:
         w3 = _w_tile(w_rows, n_ok, k_lo + 3 * BLOCK_K, k_hi, BLOCK_K)
     pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store: rollout/pdl.py
-    # EARLY_T (the norm prologue, PRE_T 0): the first weight tile is asked for after the
-    # wait, but before the row's mean square, so its HBM latency passes under that loop.
-    if EARLY_T >= 1:
-        w0 = _w_tile(w_rows, n_ok, k_lo, k_hi, BLOCK_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    if PRO == 3:  # each row's live attention splits (_split_range, as the attention launch's)
-        ctx = tl.load(ctx_ptr + rm.to(tl.int64) * stride_ctx, mask=m_ok, other=1).to(tl.int32)
-        _, _, n_live = _split_range(ctx, 0, NUM_SPLITS, ATT_BLOCK_N, MIN_TILES)
     if PRO == 2:  # the whole row's mean square first (every program: the rows are short)
         ss = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -256,7 +198,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products, reduced once at the end
-    if PRE_T + EARLY_T >= 1:
+    if PRE_T >= 1:
         if k_lo < k_hi:  # a split may hold fewer tiles (or none): the loop's steps exactly
             acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
                           r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr,
@@ -276,17 +218,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
             acc = _k_step(acc, w3, k_lo + 3 * BLOCK_K, k_hi, x_ptr, stride_xs, stride_xm, b_ptr,
                           r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res,
                           w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
-    for k0 in range(k_lo + (PRE_T + EARLY_T) * BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo + PRE_T * BLOCK_K, k_hi, BLOCK_K):
         w = _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K)
-        if PRO == 3:  # (no preloaded tiles with this prologue: _launch)
-            xt = _merge_tile(x_ptr, stride_xm, po_ptr, pm_ptr, pl_ptr, stride_pot, stride_poh,
-                             stride_pos, stride_pmt, stride_pmh, rm, m_ok, n_live, k0, k_hi,
-                             w_ptr, BLOCK_M, BLOCK_K, HEAD_DIM, NUM_SPLITS)
-        else:
-            xt = 0
         acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
                       nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT,
-                      S_IN, PRO, HAS_BIAS, xt)
+                      S_IN, PRO, HAS_BIAS)
     if not DOT:
         acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
     if ROUND:  # the model dtype's rounding of the product, stored in a wider output
@@ -325,27 +261,10 @@ def linear_into(x: torch.Tensor,  # [M, K]
 
 def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None = None,
             pro: int = 0, planes=None, bias=None, residual=None, residual_out=None,
-            norm_weight=None, eps: float = 0.0, pend: PendingMerge | None = None) -> None:
+            norm_weight=None, eps: float = 0.0) -> None:
     """x [M, K] (pro 0), or the prologue's inputs: `planes` [S, M, *] with pro 1 (SiLU *
-    mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes);
-    pro 3: x the attention output [M, H, D] and `pend` its unmerged split-K partials."""
-    merge_kw = {}
-    if pro == 3:
-        m, nh, hd = x.shape
-        if not x.is_contiguous():
-            raise ValueError("triton linear: the attention output must be contiguous")
-        po, pm = pend.po, pend.pm
-        if tuple(po.shape) != (m, nh, pend.num_splits, hd) or po.stride(-1) != 1:
-            raise ValueError(f"triton linear: partials {tuple(po.shape)} do not fit the attention "
-                             f"output {tuple(x.shape)}")
-        x = x.view(m, nh * hd)
-        merge_kw = dict(po_ptr=po, pm_ptr=pm, pl_ptr=pend.pl, ctx_ptr=pend.context_lens,
-                        stride_pot=po.stride(0), stride_poh=po.stride(1), stride_pos=po.stride(2),
-                        stride_pmt=pm.stride(0), stride_pmh=pm.stride(1),
-                        stride_ctx=pend.context_lens.stride(0), HEAD_DIM=hd,
-                        NUM_SPLITS=pend.num_splits, ATT_BLOCK_N=pend.block_n,
-                        MIN_TILES=pend.min_tiles)
-    if pro in (0, 3):
+    mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes)."""
+    if pro == 0:
         m, k = x.shape
         if x.stride(-1) != 1:
             raise ValueError("triton linear: x must be contiguous in the last dimension")
@@ -367,7 +286,6 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
     res = residual if residual is not None else weight
-    pre_t = preload_tiles(cfg, k_split, weight.element_size()) if pro != 3 else 0
     _linear_kernel[grid](src, weight, out, m, n, k, stride_xm, weight.stride(0),
                          out.stride(0), out.stride(1), k_split, stride_xs,
                          bias if bias is not None else weight, res,
@@ -378,9 +296,8 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
                          PREFETCH=weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
                          LINE=max(1, 128 // weight.element_size()),
-                         PRE_T=pre_t, EARLY_T=int(pro == 2 and pre_t == 0 and NORM_EARLY_TILE),
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **merge_kw,
-                         **pdl.kwargs())
+                         PRE_T=preload_tiles(cfg, k_split, weight.element_size()),
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
 
 def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
@@ -423,21 +340,6 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
     return out, new_res
 
 
-def merge_linear_partials(attn: torch.Tensor,  # [M, H, D] the decode attention output
-                          pend: PendingMerge,  # its split-K partials, not merged yet
-                          weight: torch.Tensor,  # [N, H * D]
-                          cfg: LinearConfig) -> torch.Tensor:  # [splits, M, N] float32
-    """o_proj(attention output) with the split-K merge in the GEMV's prologue (a dot or fma
-    config; _merge_tile) instead of _combine_kernel + the projection: one launch fewer.
-    The merge sums the splits in split order where _combine_kernel sums a chunk of them as
-    a tree, so the input may differ from the combined one in the last bit (a planner
-    choice, like every config's rounding: linear_plans.py). `attn` is left unmerged."""
-    m, nh, hd = attn.shape
-    out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=attn.device)
-    _launch(attn, weight, out, cfg, round_out=False, k=nh * hd, pro=3, pend=pend)
-    return out
-
-
 _MAX_TRITON_ROWS = int(os.environ.get("MEGATRON_TLT_TRITON_ROWS", "256"))
 """Rows up to which Triton configs are timed against cuBLAS: decode batches, and the
 verify forward's B x Q rows (batch 32 at Q = 5: 160, where cuBLAS read the 1.5B
@@ -451,26 +353,10 @@ _FUSED_ROWS = int(os.environ.get("MEGATRON_TLT_FUSED_ROWS", "8"))
 """Rows up to which the planner times the SiLU / RMSNorm prologues (read at import; 1 was
 the limit before session 19): a speculative verify at batch 1 has Q = 5-8 rows, and
 whether re-reading them in every program beats a separate launch is the timing's call."""
-NORM_EARLY_TILE = False
-"""Whether a program of the RMSNorm prologue (norm_linear_partials) asks for its first
-weight tile before it sums its row's squares rather than after (when it preloads none
-before the PDL wait), so that the load's HBM latency passes under that loop. The same
-products in the same order, so the same bits (tests/unit/rollout/test_triton_linear_interp.py).
-Off until timed on a GPU (session 28 wrote it without one; runbook stage `tiles`): the
-planner kept the separate RMSNorm kernel at the 1.5B shape, batch 1 (session 27 profile),
-and this may tip that choice. Read at each launch, and part of the planner's key for the
-norm prologue, so an A/B run times both (bench rollout --compare-attr
-megatron_tlt.rollout.triton_linear:NORM_EARLY_TILE=True; graphs recaptured)."""
 
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
-MERGE_MAX_SPLITS = 16
-"""The most attention splits whose merge the planner times in the output projection's
-prologue (merge_config): _merge_tile unrolls its loop over the splits."""
-_EARLY_TILE = "early_tile"
-"""A norm-prologue key's last entry when timed with NORM_EARLY_TILE (keys without it hold
-the other order's choices)."""
 
 
 def _row_bucket(m: int) -> int:
@@ -581,40 +467,8 @@ class LinearPlanner(PlanCache):
         key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         if row_local:
             key += (_ROW_LOCAL,)
-        if kind == "norm" and NORM_EARLY_TILE:
-            key += (_EARLY_TILE,)
         return self._choose(self.fused, key, lambda: self._tune_fused(
             kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
-
-    def merge_config(self, attn: torch.Tensor,  # [M, H, D] decode attention output
-                     pend: PendingMerge, weight: torch.Tensor) -> LinearConfig | None:
-        """The config to run the output projection with the split-K merge in its prologue
-        (merge_linear_partials), or None when _combine_kernel + the projection is at least
-        as fast (always None above _FUSED_ROWS rows, and past MERGE_MAX_SPLITS splits: the
-        prologue unrolls its loop over them). Timed with every split live, the merge's
-        most work; planned per row bucket and split count."""
-        if self.fixed is not None:
-            return self.fixed if self.fixed_fused and self.fixed.kind != "cublas" else None
-        m = attn.shape[0]
-        if attn.device.type != "cuda" or m > _FUSED_ROWS or pend.num_splits > MERGE_MAX_SPLITS:
-            return None
-        m = _row_bucket(m)
-        key = ("merge", m, weight.shape[0], weight.shape[1], pend.num_splits, weight.dtype)
-        return self._choose(self.fused, key, lambda: self._tune_merge(attn, pend, weight, m))[0]
-
-    def _tune_merge(self, attn, pend, weight, m):
-        n, k = weight.shape
-        _, nh, hd = attn.shape
-        s, dev = pend.num_splits, attn.device
-        ctx = torch.full((m,), s * pend.block_n * pend.min_tiles, dtype=torch.int32, device=dev)
-        p = PendingMerge(torch.randn(m, nh, s, hd, device=dev), torch.randn(m, nh, s, device=dev),
-                         torch.rand(m, nh, s, device=dev) + 0.5, ctx, pend.block_n, pend.min_tiles)
-        out = torch.randn(m, nh, hd, device=dev).to(weight.dtype)
-        _, proj_us = self._plan(out.view(m, -1), weight, m, True, False)  # the unfused plan
-        ws = _weight_copies(weight)
-        unfused = _time_us(lambda i: combine_pending(out, p), self.iters) + proj_us
-        return self._fastest_fused(m, n, k, unfused, lambda cfg, i: merge_linear_partials(
-            out, p, ws[i % len(ws)], cfg))
 
     def _fastest_fused(self, m, n, k, unfused: float, call) -> tuple[LinearConfig | None, float, float]:
         """(config, us, unfused us): the fastest Triton config of call(cfg, i) (a fused

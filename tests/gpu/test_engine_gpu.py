@@ -338,28 +338,6 @@ def test_fused_prologues_match_separate_kernels_bf16(hidden, inter):
         assert rel_err(out.sum(0), ref.sum(0)) < 1e-2, cfg
 
 
-@pytest.mark.parametrize("hidden", [1536, 3584])
-def test_norm_prologue_early_tile_same_bits_bf16(hidden, monkeypatch):
-    """triton_linear.NORM_EARLY_TILE on the GPU: every Triton config of the QKV shape at
-    batch 1 gives the same planes and residual bit for bit with the first weight tile
-    asked for before the mean square as after; zeroing that tile changes them (control)."""
-    from megatron_tlt.rollout import triton_linear as tlin
-    g = torch.Generator().manual_seed(hidden + 1)
-    h = torch.randn(4, 1, hidden, generator=g).to(CUDA)
-    res = torch.randn(1, hidden, generator=g).to(torch.bfloat16).to(CUDA)
-    nw = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16).to(CUDA)
-    qkv = (0.02 * torch.randn(2048 if hidden == 1536 else 4608, hidden, generator=g)).to(torch.bfloat16).to(CUDA)
-    for cfg in [c for c in candidate_configs(1, qkv.shape[0], hidden) if c.kind != "cublas"]:
-        monkeypatch.setattr(tlin, "NORM_EARLY_TILE", False)
-        late, late_res = norm_linear_partials(h, res, nw, 1e-6, qkv, cfg)
-        monkeypatch.setattr(tlin, "NORM_EARLY_TILE", True)
-        early, early_res = norm_linear_partials(h, res, nw, 1e-6, qkv, cfg)
-        assert torch.equal(early, late) and torch.equal(early_res, late_res), cfg
-        zeroed = qkv.clone()
-        zeroed[:, :cfg.block_k] = 0
-        assert not torch.equal(norm_linear_partials(h, res, nw, 1e-6, zeroed, cfg)[0], early), cfg
-
-
 def test_planner_fused_choice_is_timed_against_two_kernels():
     planner = LinearPlanner()
     gu = torch.randn(1, 1, 2 * 8960, device=CUDA)
@@ -1194,71 +1172,3 @@ def test_fused_rope_graph_decode_equals_separate(family, use_pdl, monkeypatch):
     outs = graph_decode_both_ways(arch, w, dtype, 9, configure)
     assert calls[False] == 0 and calls[True] > 0, calls
     assert outs[True] == outs[False]
-
-
-@pytest.mark.parametrize("batch", [1, 7])
-def test_merge_prologue_matches_combine_bf16(batch):
-    """The split-K merge in the O projection's prologue (merge_linear_partials), bf16, the
-    1.5B head layout, every Triton config of the O shape at this row count: within bf16
-    rounding of _combine_kernel + the projection (the splits are summed in another order,
-    so a merged input may differ in its last bit), over contexts that fit one split and
-    contexts of several, at 5 and 16 splits; the deferred merge by combine_pending equals
-    rope_attention's own bit for bit. Control: one live split's sum doubled is caught."""
-    from megatron_tlt.rollout.gpu_model import rope_attention
-    from megatron_tlt.rollout.triton_attention import combine_pending
-    from megatron_tlt.rollout.triton_linear import merge_linear_partials
-    ctx = [212, 5, 64, 300, 1000, 129, 17][:batch]
-    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _rope_case(
-        ctx, heads=12, kvh=2, page=16, dtype=torch.bfloat16, planes=2, bias=True, seed=batch)
-    g = torch.Generator().manual_seed(batch)
-    wo = (0.02 * torch.randn(1536, 12 * HEAD_DIM, generator=g)).to(torch.bfloat16).to(CUDA)
-    for splits in (5, 16):
-        call = lambda defer: rope_attention(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(),  # noqa: E731,B023
-                                            scale=HEAD_DIM ** -0.5, num_splits=splits,
-                                            defer_merge=defer, **meta, **kw)
-        ref = call(False)
-        out, pend = call(True)
-        assert pend is not None and torch.equal(combine_pending(out.clone(), pend), ref)
-        cfgs = [c for c in candidate_configs(batch, 1536, 12 * HEAD_DIM) if c.kind != "cublas"]
-        assert cfgs
-        for cfg in cfgs:
-            want = linear_partials(ref.view(batch, -1), wo, cfg).sum(0)
-            got = merge_linear_partials(out, pend, wo, cfg).sum(0)
-            assert rel_err(got, want) < 1e-2, (splits, cfg, rel_err(got, want))
-        row = ctx.index(max(ctx))
-        pl = pend.pl.clone()
-        pl[row, :, 0] *= 2
-        bad = merge_linear_partials(out, pend._replace(pl=pl), wo, cfgs[0]).sum(0)
-        assert rel_err(bad, linear_partials(ref.view(batch, -1), wo, cfgs[0]).sum(0)) > 1e-2
-
-
-def test_merge_prologue_graph_decode_equals_eager(monkeypatch):
-    """gpu_model.MERGE_PROLOGUE with the planner told to take the merge prologue (a fixed
-    Triton config per row count): graph decode == eager decode token for token, and within
-    a near-tie of decode without the prologue (inputs may differ in the last bit); the
-    prologue really ran in both (counted)."""
-    from megatron_tlt.rollout import gpu_model
-    from megatron_tlt.rollout.triton_linear import MERGE_MAX_SPLITS
-    dtype = torch.bfloat16
-    arch, w = small_model(dtype, seed=9)
-    reqs = requests(arch.vocab_size, ragged_specs(7, seed=9, new=24), seed=9)
-    short = dict(attention_backend="triton", max_model_len=512)  # at most 8 splits of 64 keys
-    plain = engine(arch, w, dtype, cuda_graphs=True, **short).generate(reqs)
-    ran = []
-
-    def fixed(self, attn, pend, weight):
-        assert pend.num_splits <= MERGE_MAX_SPLITS
-        ran.append(attn.shape[0])
-        m = attn.shape[0]
-        return [c for c in candidate_configs(m, weight.shape[0], weight.shape[1]) if c.kind != "cublas"][-1]
-
-    monkeypatch.setattr(LinearPlanner, "merge_config", fixed)
-    monkeypatch.setattr(gpu_model, "MERGE_PROLOGUE", True)
-    eager = engine(arch, w, dtype, cuda_graphs=False, **short).generate(reqs)
-    n_eager = len(ran)
-    graph = engine(arch, w, dtype, cuda_graphs=True, **short).generate(reqs)
-    assert n_eager > 0 and len(ran) > n_eager
-    for x, y in zip(eager, graph):
-        assert x.error is None and x.token_ids == y.token_ids
-        torch.testing.assert_close(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-4, rtol=0)
-    _assert_same_or_near_tie(plain, graph)

@@ -80,30 +80,6 @@ def test_weight_tiles_loaded_before_the_wait_give_the_same_bits(cfg, tiles, k, m
     assert not torch.equal(calls[0](zeroed), plain[0])
 
 
-@pytest.mark.parametrize("k", [130, 64, 300])
-@pytest.mark.parametrize("cfg", CONFIGS[1:], ids=str)
-def test_norm_prologue_first_tile_early_gives_the_same_bits(cfg, k, monkeypatch):
-    """triton_linear.NORM_EARLY_TILE (the norm prologue's first weight tile asked for before
-    the row's mean square): the same planes and new residual bit for bit as with it off,
-    also where a split holds one tile or none (K = 130 / 64 over 2-3 splits of 64); zeroing
-    that first tile changes the planes (negative control: the early tile is the one used)."""
-    from megatron_tlt.rollout import triton_linear as tlin
-    m = 1 if cfg.kind == "fma" else 3
-    g = torch.Generator().manual_seed(k)
-    w = torch.randn(20, k, generator=g)
-    h, res = torch.randn(3, m, k, generator=g), torch.randn(m, k, generator=g)
-    nw, bias = 1 + 0.1 * torch.randn(k, generator=g), torch.randn(k, generator=g)
-    call = lambda w_: norm_linear_partials(h, res, nw, 1e-6, w_, cfg, bias=bias)  # noqa: E731
-    monkeypatch.setattr(tlin, "NORM_EARLY_TILE", False)
-    late, late_res = call(w)
-    monkeypatch.setattr(tlin, "NORM_EARLY_TILE", True)
-    early, early_res = call(w)
-    assert torch.equal(early, late) and torch.equal(early_res, late_res)
-    zeroed = w.clone()
-    zeroed[:, :cfg.block_k] = 0
-    assert not torch.equal(call(zeroed)[0], early)
-
-
 def test_consumers_add_planes_and_bias_before_rounding():
     """rms_norm, silu_mul and qkv_rope_write_kv given 3 planes == given their sum."""
     g = torch.Generator().manual_seed(0)
