@@ -61,6 +61,10 @@
 #             (--compare-attr; random weights, no target needed), then tools/attention_sweep.py
 #             at the 7B shape, batch 32, and the 1.5B shape, batch 1 (ATTN_PARTS=tests runs
 #             the decode attention GPU tests and tests/gpu/test_spec_gpu.py instead)
+#   tiles     session 28's key-tile and full-grid knobs against the defaults (bench rollout
+#             --compare-attr), then the 1.5B batch-1 profile (TILES_PARTS=tests: GPU tests)
+#   l2        session 29's weight prefetch into L2 after the attention: its GPU tests, then
+#             bench rollout at several budgets side by side (random weights; ~300 s)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -293,29 +297,32 @@ case "$STAGE" in
       done
       echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
     fi ;;
+  l2)
+    # Session 29 (not yet run on a GPU): weights asked into L2 after each layer's fused
+    # attention (gpu_model.ATTN_L2_PREFETCH_MB, rollout/l2_prefetch.py): its GPU tests
+    # (same bits with and without, both instructions), then bench rollout side by side
+    # at 8 / 16 / 32 / 64 MB with the bulk instruction and 16 MB with per-line prefetches.
+    G=megatron_tlt.rollout.gpu_model
+    pytest_stage "l2 tests" 200 gpu_tests_l2.log tests/gpu/test_l2_prefetch_gpu.py
+    ab_bench l2 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=8" --compare-attr "$G:ATTN_L2_PREFETCH_MB=16" \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB=32" --compare-attr "$G:ATTN_L2_PREFETCH_MB=64" \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB=16;$G:ATTN_L2_PREFETCH_BULK=False" ;;
   tiles)
-    # Session 28 (not yet run on a GPU), all opt-in: the norm prologue's first weight tile
-    # asked for before the row's mean square (triton_linear.NORM_EARLY_TILE; the planner
-    # times the fused norm with it and keys its choice on it), decode's split-K attention
-    # merge in the O projection's prologue (gpu_model.MERGE_PROLOGUE; planner-timed against
-    # the combine launch) and the fused attention's key tile (gpu_model.ROPE_ATTENTION_BLOCK_N).
-    # TILES_PARTS=tests: their GPU tests (same bits early / late; merge prologue == combine
-    # within bf16 rounding, graph == eager); else bench rollout side by side, then the
-    # 1.5B batch-1 profile with the planner's fused-prologue timings.
+    # Session 28: the fused attention's key tile (gpu_model.ROPE_ATTENTION_BLOCK_N, an A/B
+    # knob) with the full-grid minimum tiles (triton_attention.FULL_GRID_MIN_TILES); session
+    # 29 ran it (neither became a default: gpu_model's docstrings). TILES_PARTS=tests: the GPU tests of the
+    # fused prologues, linear configs and decode; else bench rollout side by side, then
+    # the 1.5B batch-1 profile with the planner's fused-prologue timings.
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
-    L=megatron_tlt.rollout.triton_linear
     if [ "${TILES_PARTS:-bench}" = tests ]; then
       pytest_stage "tiles tests" 120 gpu_tests_tiles.log tests/gpu/test_engine_gpu.py \
-          -k "early_tile or merge_prologue or fused_prologues or planner_fused or linear_configs or decode_model or cuda_graph_decode"
+          -k "fused_prologues or planner_fused or linear_configs or decode_model or cuda_graph_decode"
       pytest_stage "tiles spec tests" 5 gpu_tests_tiles_spec.log tests/gpu/test_spec_gpu.py
     else
-      ab_bench tiles 130 --compare-attr "$L:NORM_EARLY_TILE=True" \
-          --compare-attr "$G:MERGE_PROLOGUE=True" \
-          --compare-attr "$G:MERGE_PROLOGUE=True;$L:NORM_EARLY_TILE=True" \
-          --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32" --compare-attr "$A:FULL_GRID_MIN_TILES=2" \
+      ab_bench tiles 130 --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32" \
+          --compare-attr "$A:FULL_GRID_MIN_TILES=2" \
           --compare-attr "$G:ROPE_ATTENTION_BLOCK_N=32;$A:FULL_GRID_MIN_TILES=8"
       timeout "$(upto 5)" $PY tools/profile_decode.py --shape 1.5b --batch 1 \
-          --attr "$L:NORM_EARLY_TILE=True;$G:MERGE_PROLOGUE=True" \
           --json "$RESULTS/profile_1.5b_b1.json" 2>&1 | grep -E "us/step|fused prologues|rror" | head -n 4
       echo "[runbook] tiles profile: at $(( $(date +%s) - t0 )) s"
     fi ;;
@@ -325,6 +332,6 @@ case "$STAGE" in
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 gputests)" ;;
 esac
 exit 0

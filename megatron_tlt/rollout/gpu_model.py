@@ -33,6 +33,7 @@ context length 1 and any valid block table; their logits are ignored.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,6 +43,7 @@ import triton.language as tl
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
+from megatron_tlt.rollout.l2_prefetch import l2_prefetch
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
@@ -148,6 +150,17 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
+ATTN_L2_PREFETCH_MB: float = 0
+"""Megabytes of weights DecodeModel asks L2 for right after each layer's fused decode
+attention launch (rollout/l2_prefetch.py): the output projection's, then the head of the
+gate/up projection's, read by the next kernels while the attention leaves HBM idle.
+Only under PDL (rollout/pdl.py) and with the fused attention (rope_attention); 0 (the
+default): off. Read at each forward, for A/B runs (bench rollout --compare-attr
+megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=16; graphs recaptured); opt-in since
+session 29, runbook stage `l2`."""
+ATTN_L2_PREFETCH_BULK = True
+"""The prefetch's instruction: Hopper's bulk `cp.async.bulk.prefetch.L2` (64 KB each), or
+False: `prefetch.global.L2` per 128-byte line."""
 
 
 def norm_warps(block: int) -> int:
@@ -479,7 +492,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
                    bias: torch.Tensor | None = None,
                    query_start: torch.Tensor | None = None,  # [B + 1] with tree_mask; None: decode
                    tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
-                   num_splits: int = 1) -> torch.Tensor:  # [T, H, D] attention output
+                   num_splits: int = 1,
+                   after_launch=None) -> torch.Tensor:  # [T, H, D] attention output
     """qkv_rope_write_kv followed by paged_attention in one kernel launch (plus
     _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
     with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
@@ -489,7 +503,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     may be that kernel's output (in DecodeModel it is the QKV projection; rollout/pdl.py).
     No q/k norm (Qwen3): the norm's sum of squares is reduced in whatever layout the
     compiler picks for each kernel, and the two kernels' orders differed on the H100
-    (session 24), so such models keep the separate kernels (DecodeModel.fused_rope)."""
+    (session 24), so such models keep the separate kernels (DecodeModel.fused_rope).
+    after_launch: called right after the attention kernel's launch, before the split
+    merge's (DecodeModel's L2 prefetch, ATTN_L2_PREFETCH_MB)."""
     qkv = _planes(qkv)
     s_in, t = qkv.shape[0], qkv.shape[1]
     nb, page, kvh, hd = k_cache.shape
@@ -553,6 +569,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
             if mode == MODE_DECODE else 2), **pdl.kwargs())
+    if after_launch is not None:
+        after_launch()
     if sp and not merge:
         combine_splits(po, pm, pl, out, context_lens, block_n=block_n, decode=mode == MODE_DECODE,
                        min_tiles=min_tiles)
@@ -695,6 +713,8 @@ class DecodeModel:
             attn_kw = dict(query_start=query_start, max_query_len=int(max_query_len))
         eps = a.rms_norm_eps
         plan = self.planner
+        # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
+        prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
@@ -710,7 +730,11 @@ class DecodeModel:
                 o = rope_attention(qkv, positions, slot_mapping, self.cos, self.sin,
                                    kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                    context_lens, scale=self.scale, num_splits=num_splits,
-                                   query_start=query_start, tree_mask=tree_mask, **heads)
+                                   query_start=query_start, tree_mask=tree_mask,
+                                   after_launch=functools.partial(
+                                       l2_prefetch, lw.o_weight, lw.gate_up_weight, prefetch,
+                                       bulk=ATTN_L2_PREFETCH_BULK) if prefetch else None,
+                                   **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,
                                       kv_cache.k[layer], kv_cache.v[layer], q_norm=lw.q_norm,

@@ -298,3 +298,46 @@ def test_forward_fused_rope_equals_separate(family, monkeypatch):
     # 3 decode steps, 1 verify, x 2 layers
     assert calls == ([] if family == "qwen3" else [False] * 6 + [True] * 2)
 
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, monkeypatch):
+    """gpu_model.ATTN_L2_PREFETCH_MB: under PDL, each layer's fused attention launch is
+    followed by l2_prefetch(o_weight, gate_up_weight, budget) before its split merge (so the
+    prefetch overlaps the attention, rollout/l2_prefetch.py), and the logits are those
+    without it. Without PDL nothing is asked for (negative control: a prefetch kernel would
+    only run serialised between the attention and the merge)."""
+    from megatron_tlt.rollout import gpu_model, pdl
+    arch = ModelArch(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=True)
+    w = EngineWeights.make_dummy(arch, seed=3)
+    cos, sin = rope_table(64, 16, 10000.0)
+    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
+    model = DecodeModel(arch, w, cos, sin)
+    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
+    pos = torch.tensor([5, 12], dtype=torch.int32)
+    slots = torch.stack([bt[b, p // 4] * 4 + p % 4 for b, p in enumerate(pos.tolist())])
+    ids = torch.tensor([3, 250], dtype=torch.int32)
+
+    def run():
+        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=12, block_size=4)
+        for layer in range(2):
+            g = torch.Generator().manual_seed(layer)
+            cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+            cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        return model.forward(ids, pos, slots, bt, pos + 1, cache, num_splits=2)
+    ref = run()
+    events = []
+    real_combine = gpu_model.combine_splits
+    monkeypatch.setattr(gpu_model, "combine_splits",
+                        lambda *a, **k: events.append("merge") or real_combine(*a, **k))
+    monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n, bulk: events.append(
+        (a.data_ptr(), b.data_ptr(), n, bulk)) or 0)
+    monkeypatch.setattr(pdl, "active", lambda: pdl_on)  # the CPU has no PDL: its wiring only
+    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", 1.5)
+    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_BULK", False)
+    out = run()
+    assert torch.equal(out, ref)
+    want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), 3 << 19, False), "merge"]
+            if pdl_on else ["merge"] for lw in w.layers]
+    assert events == [e for pair in want for e in pair]
