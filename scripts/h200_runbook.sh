@@ -303,6 +303,14 @@ case "$STAGE" in
     # (same bits with and without, both instructions), then bench rollout side by side
     # at 8 / 16 / 32 / 64 MB with the bulk instruction and 16 MB with per-line prefetches.
     G=megatron_tlt.rollout.gpu_model
+    if [ "${L2_PARTS:-all}" = lines ]; then  # after call 3: per-line budgets, a small bulk one
+      ab_bench l2_lines 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=4;$G:ATTN_L2_PREFETCH_BULK=False" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB=8;$G:ATTN_L2_PREFETCH_BULK=False" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB=16;$G:ATTN_L2_PREFETCH_BULK=False" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB=32;$G:ATTN_L2_PREFETCH_BULK=False" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB=2"
+      exit 0
+    fi
     pytest_stage "l2 tests" 200 gpu_tests_l2.log tests/gpu/test_l2_prefetch_gpu.py
     ab_bench l2 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=8" --compare-attr "$G:ATTN_L2_PREFETCH_MB=16" \
         --compare-attr "$G:ATTN_L2_PREFETCH_MB=32" --compare-attr "$G:ATTN_L2_PREFETCH_MB=64" \
