@@ -63,8 +63,9 @@
 #             the decode attention GPU tests and tests/gpu/test_spec_gpu.py instead)
 #   tiles     session 28's key-tile and full-grid knobs against the defaults (bench rollout
 #             --compare-attr), then the 1.5B batch-1 profile (TILES_PARTS=tests: GPU tests)
-#   l2        session 29's weight prefetch into L2 after the attention: its GPU tests, then
-#             bench rollout at several budgets side by side (random weights; ~300 s)
+#   l2        session 29's weight prefetch into L2 after the attention (default 4 MB): bench
+#             rollout against 0 and 8 MB (L2_PARTS=tests: its GPU tests, graph/PDL decode
+#             and tests/gpu/test_spec_gpu.py)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -298,23 +299,20 @@ case "$STAGE" in
       echo "[runbook] attn sweeps: at $(( $(date +%s) - t0 )) s"
     fi ;;
   l2)
-    # Session 29 (not yet run on a GPU): weights asked into L2 after each layer's fused
-    # attention (gpu_model.ATTN_L2_PREFETCH_MB, rollout/l2_prefetch.py): its GPU tests
-    # (same bits with and without, both instructions), then bench rollout side by side
-    # at 8 / 16 / 32 / 64 MB with the bulk instruction and 16 MB with per-line prefetches.
+    # Session 29: weights asked into L2 after each layer's fused attention
+    # (gpu_model.ATTN_L2_PREFETCH_MB, rollout/l2_prefetch.py; 4 MB by default since calls
+    # 3-4 timed budgets side by side). L2_PARTS=tests: its GPU tests, the PDL and graph
+    # decode tests and tests/gpu/test_spec_gpu.py (the verify takes it too) with the
+    # default; else bench rollout, the default against 0 and 8 MB.
     G=megatron_tlt.rollout.gpu_model
-    if [ "${L2_PARTS:-all}" = lines ]; then  # after call 3: per-line budgets, a small bulk one
-      ab_bench l2_lines 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=4;$G:ATTN_L2_PREFETCH_BULK=False" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB=8;$G:ATTN_L2_PREFETCH_BULK=False" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB=16;$G:ATTN_L2_PREFETCH_BULK=False" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB=32;$G:ATTN_L2_PREFETCH_BULK=False" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB=2"
-      exit 0
-    fi
-    pytest_stage "l2 tests" 200 gpu_tests_l2.log tests/gpu/test_l2_prefetch_gpu.py
-    ab_bench l2 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=8" --compare-attr "$G:ATTN_L2_PREFETCH_MB=16" \
-        --compare-attr "$G:ATTN_L2_PREFETCH_MB=32" --compare-attr "$G:ATTN_L2_PREFETCH_MB=64" \
-        --compare-attr "$G:ATTN_L2_PREFETCH_MB=16;$G:ATTN_L2_PREFETCH_BULK=False" ;;
+    if [ "${L2_PARTS:-bench}" = tests ]; then
+      pytest_stage "l2 and spec tests" 120 gpu_tests_l2.log tests/gpu/test_l2_prefetch_gpu.py \
+          tests/gpu/test_spec_gpu.py
+      pytest_stage "l2 engine tests" 5 gpu_tests_l2_engine.log tests/gpu/test_engine_gpu.py \
+          -k "pdl or cuda_graph_decode or fused_rope"
+    else
+      ab_bench l2 5 --compare-attr "$G:ATTN_L2_PREFETCH_MB=0" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8"
+    fi ;;
   tiles)
     # Session 28: the fused attention's key tile (gpu_model.ROPE_ATTENTION_BLOCK_N, an A/B
     # knob) with the full-grid minimum tiles (triton_attention.FULL_GRID_MIN_TILES); session

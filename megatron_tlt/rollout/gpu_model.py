@@ -150,17 +150,15 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
-ATTN_L2_PREFETCH_MB: float = 0
-"""Megabytes of weights DecodeModel asks L2 for right after each layer's fused decode
-attention launch (rollout/l2_prefetch.py): the output projection's, then the head of the
-gate/up projection's, read by the next kernels while the attention leaves HBM idle.
-Only under PDL (rollout/pdl.py) and with the fused attention (rope_attention); 0 (the
-default): off. Read at each forward, for A/B runs (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=16; graphs recaptured); opt-in since
-session 29, runbook stage `l2`."""
-ATTN_L2_PREFETCH_BULK = True
-"""The prefetch's instruction: Hopper's bulk `cp.async.bulk.prefetch.L2` (64 KB each), or
-False: `prefetch.global.L2` per 128-byte line."""
+ATTN_L2_PREFETCH_MB: float = 4
+"""Megabytes of weights DecodeModel asks L2 for right after each layer's fused attention
+launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
+the head of the gate/up projection's, read by the next kernels while the attention leaves
+HBM idle. Only under PDL (rollout/pdl.py) and with the fused attention (rope_attention);
+0: off. 4 since session 29 (H100: 1.000x-1.007x of the step without it at the 1.5B / 7B
+shapes, batch 1 / 8 / 32; larger budgets gained more at batch 1 and lost at 32:
+l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
+--compare-attr megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
 
 
 def norm_warps(block: int) -> int:
@@ -732,8 +730,8 @@ class DecodeModel:
                                    context_lens, scale=self.scale, num_splits=num_splits,
                                    query_start=query_start, tree_mask=tree_mask,
                                    after_launch=functools.partial(
-                                       l2_prefetch, lw.o_weight, lw.gate_up_weight, prefetch,
-                                       bulk=ATTN_L2_PREFETCH_BULK) if prefetch else None,
+                                       l2_prefetch, lw.o_weight, lw.gate_up_weight, prefetch)
+                                   if prefetch else None,
                                    **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,

@@ -1,6 +1,6 @@
-"""rollout/l2_prefetch.py on the GPU: the weight prefetch launched after the decode
-attention (gpu_model.ATTN_L2_PREFETCH_MB) changes no token and no logprob bit, in graph
-decode under PDL, with either prefetch instruction."""
+"""rollout/l2_prefetch.py on the GPU: the weight prefetch launched after the attention
+(gpu_model.ATTN_L2_PREFETCH_MB, on by default under PDL) changes no token and no logprob
+bit in graph decode."""
 
 import os
 import sys
@@ -19,30 +19,28 @@ from test_engine_gpu import graph_decode_both_ways, small_model  # noqa: E402
 from megatron_tlt.rollout import gpu_model, l2_prefetch, pdl  # noqa: E402
 
 
-@pytest.mark.parametrize("bulk", [True, False])
-def test_l2_prefetch_kernel_runs(bulk):
-    """Both instructions launch over two ranges (the second cut to the budget) and over
-    one; nothing outside PDL or on the CPU. Control: the bytes asked for are the budget's."""
+def test_l2_prefetch_kernel_runs():
+    """The kernel launches over two ranges (the second cut to the budget) and over one;
+    nothing outside PDL or on the CPU. Control: the bytes asked for are the budget's."""
     a = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")  # 153600 B
     b = torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda")
     with pdl.launches(True):
-        assert l2_prefetch.l2_prefetch(a, b, 200_000, bulk=bulk) == 153600 + (46400 // 16 * 16)
-        assert l2_prefetch.l2_prefetch(a, None, 1 << 30, bulk=bulk) == 153600
-        assert l2_prefetch.l2_prefetch(a, b, 1000, bulk=bulk) == 992
+        assert l2_prefetch.l2_prefetch(a, b, 200_000) == 200_000
+        assert l2_prefetch.l2_prefetch(a, None, 1 << 30) == 153600
+        assert l2_prefetch.l2_prefetch(a, b, 1000) == 1000
     torch.cuda.synchronize()
     with pdl.launches(False):
-        assert l2_prefetch.l2_prefetch(a, b, 1 << 20, bulk=bulk) == 0
+        assert l2_prefetch.l2_prefetch(a, b, 1 << 20) == 0
     with pdl.launches(True):
-        assert l2_prefetch.l2_prefetch(a.cpu(), b.cpu(), 1 << 20, bulk=bulk) == 0
+        assert l2_prefetch.l2_prefetch(a.cpu(), b.cpu(), 1 << 20) == 0
 
 
 class PrefetchSwitch:
     """graph_decode_both_ways' configure: PDL on for both runs, the prefetch on for one;
     counts the bytes each run asked for."""
 
-    def __init__(self, mb: float, bulk: bool, monkeypatch):
+    def __init__(self, mb: float, monkeypatch):
         self.mb, self.on, self.asked = mb, False, {False: 0, True: 0}
-        monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_BULK", bulk)
         real = gpu_model.l2_prefetch
 
         def counting(*a, **kw):
@@ -58,16 +56,16 @@ class PrefetchSwitch:
         self.monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", self.mb if on else 0)
 
 
-@pytest.mark.parametrize("bulk", [True, False])
-def test_l2_prefetch_decode_same_bits(bulk, monkeypatch):
-    """Graph decode with the prefetch after every layer's attention (64 MB: the output
-    projection and all of the gate/up weights here) gives the same tokens and bit-identical
+@pytest.mark.parametrize("mb", [4, 64])
+def test_l2_prefetch_decode_same_bits(mb, monkeypatch):
+    """Graph decode with the prefetch after every layer's attention (4 MB, the default, or
+    64 MB: either way the output projection and all of the gate/up weights here) gives the same tokens and bit-identical
     logprobs as without it (bf16, batch 7 ragged, greedy and T=0.9 rows, 40 steps: a
     kernel that let the next one run ahead of the attention's output would show).
     Control: the prefetch run asked for bytes, the other none."""
     dtype = torch.bfloat16
     arch, w = small_model(dtype, seed=5)
-    switch = PrefetchSwitch(64, bulk, monkeypatch)
+    switch = PrefetchSwitch(mb, monkeypatch)
     outs = graph_decode_both_ways(arch, w, dtype, 6, switch)
     assert switch.asked[False] == 0 and switch.asked[True] > 0, switch.asked
     assert outs[True] == outs[False]

@@ -331,13 +331,12 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, monkeypatch):
     real_combine = gpu_model.combine_splits
     monkeypatch.setattr(gpu_model, "combine_splits",
                         lambda *a, **k: events.append("merge") or real_combine(*a, **k))
-    monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n, bulk: events.append(
-        (a.data_ptr(), b.data_ptr(), n, bulk)) or 0)
+    monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n: events.append(
+        (a.data_ptr(), b.data_ptr(), n)) or 0)
     monkeypatch.setattr(pdl, "active", lambda: pdl_on)  # the CPU has no PDL: its wiring only
     monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", 1.5)
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_BULK", False)
     out = run()
     assert torch.equal(out, ref)
-    want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), 3 << 19, False), "merge"]
+    want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), 3 << 19), "merge"]
             if pdl_on else ["merge"] for lw in w.layers]
     assert events == [e for pair in want for e in pair]
