@@ -62,22 +62,34 @@ def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, LINE: tl.constexpr,
 
 
 def _bytes_of(t: torch.Tensor, limit: int) -> tuple[torch.Tensor, int]:
-    """t as bytes (contiguous storage required) and its first min(limit, size) bytes."""
+    """t as bytes and its first min(limit, size) bytes; none of a tensor that is not
+    contiguous (a hint skipped, nothing else changes)."""
     if not t.is_contiguous():
-        raise ValueError("l2_prefetch: weights must be contiguous")
+        return t, 0
     flat = t.view(-1).view(torch.uint8)
     return flat, max(0, min(int(limit), flat.numel()))
 
 
-def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -> int:
-    """Ask L2 for up to `budget` bytes: `first` from its start, then `second` from its
-    start with what is left. Launched only on a CUDA device under PDL (module docstring);
-    returns the bytes asked for (0 when nothing was launched)."""
-    if budget <= 0 or first.device.type != "cuda" or not pdl.active():
-        return 0
+def prefetch_ranges(first: torch.Tensor, second: torch.Tensor | None,
+                    budget: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """((bytes a, count), (bytes b, count)) that l2_prefetch asks for: `first` from its
+    start, then `second` with what is left of `budget`; a tensor that is not contiguous is
+    skipped, and a lone range comes first (count 0: nothing of it)."""
     a, na = _bytes_of(first, budget)
     b, nb = (a, 0) if second is None else _bytes_of(second, budget - na)
-    if na + nb == 0:
+    if na == 0:  # first skipped (not contiguous, or no budget): second alone
+        (a, na), (b, nb) = (b, nb), (b, 0)
+    return (a, na), (b, nb)
+
+
+def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -> int:
+    """Ask L2 for up to `budget` bytes: `first` from its start, then `second` from its
+    start with what is left (prefetch_ranges). Launched only on a CUDA device under PDL
+    (module docstring); returns the bytes asked for (0 when nothing was launched)."""
+    if budget <= 0 or first.device.type != "cuda" or not pdl.active():
+        return 0
+    (a, na), (b, nb) = prefetch_ranges(first, second, budget)
+    if na == 0:
         return 0
     lines = -(-na // LINE) + -(-nb // LINE)
     _l2_prefetch_kernel[(-(-lines // BLOCK),)](a, na, b, nb, LINE=LINE, BLOCK=BLOCK, num_warps=4,

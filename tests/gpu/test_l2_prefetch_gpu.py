@@ -21,13 +21,18 @@ from megatron_tlt.rollout import gpu_model, l2_prefetch, pdl  # noqa: E402
 
 def test_l2_prefetch_kernel_runs():
     """The kernel launches over two ranges (the second cut to the budget) and over one;
-    nothing outside PDL or on the CPU. Control: the bytes asked for are the budget's."""
+    nothing outside PDL or on the CPU, nothing of a tensor that is not contiguous. Control:
+    the bytes asked for are the budget's."""
     a = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")  # 153600 B
     b = torch.randn(1000, 512, dtype=torch.bfloat16, device="cuda")
     with pdl.launches(True):
         assert l2_prefetch.l2_prefetch(a, b, 200_000) == 200_000
         assert l2_prefetch.l2_prefetch(a, None, 1 << 30) == 153600
         assert l2_prefetch.l2_prefetch(a, b, 1000) == 1000
+        # a tensor that is not contiguous is skipped (the hint only), the other one asked
+        assert l2_prefetch.l2_prefetch(b.t(), a, 1 << 20) == 153600
+        assert l2_prefetch.l2_prefetch(a, b.t(), 1 << 20) == 153600
+        assert l2_prefetch.l2_prefetch(b.t(), None, 1 << 20) == 0
     torch.cuda.synchronize()
     with pdl.launches(False):
         assert l2_prefetch.l2_prefetch(a, b, 1 << 20) == 0

@@ -340,3 +340,24 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, monkeypatch):
     want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), 3 << 19), "merge"]
             if pdl_on else ["merge"] for lw in w.layers]
     assert events == [e for pair in want for e in pair]
+
+
+def test_l2_prefetch_ranges():
+    """rollout/l2_prefetch.prefetch_ranges: the first weight's bytes from its start, then
+    the second's with the rest of the budget; a tensor that is not contiguous is skipped
+    (a lone range first); the byte views alias the weights (their data pointers)."""
+    from megatron_tlt.rollout.l2_prefetch import prefetch_ranges
+    a = torch.zeros(300, 256, dtype=torch.bfloat16)  # 153600 B
+    b = torch.zeros(1000, 512, dtype=torch.bfloat16)  # 1024000 B
+
+    def got(first, second, budget):
+        (x, nx), (y, ny) = prefetch_ranges(first, second, budget)
+        return x.data_ptr(), nx, y.data_ptr(), ny
+    pa, pb = a.data_ptr(), b.data_ptr()
+    assert got(a, b, 200_000) == (pa, 153600, pb, 46400)
+    assert got(a, b, 1000) == (pa, 1000, pb, 0)
+    assert got(a, None, 1 << 30)[:2] == (pa, 153600) and got(a, None, 1 << 30)[3] == 0
+    assert got(b.t(), a, 1 << 20) == (pa, 153600, pa, 0)
+    assert got(a, b.t(), 1 << 20)[:2] == (pa, 153600) and got(a, b.t(), 1 << 20)[3] == 0
+    assert got(b.t(), None, 1 << 20)[1] == 0
+    assert got(a, b, 0)[1] == 0 and got(a, b, 0)[3] == 0
