@@ -79,6 +79,8 @@ def prefetch_ranges(first: torch.Tensor, second: torch.Tensor | None,
     b, nb = (a, 0) if second is None else _bytes_of(second, budget - na)
     if na == 0:  # first skipped (not contiguous, or no budget): second alone
         (a, na), (b, nb) = (b, nb), (b, 0)
+    if nb == 0:  # nothing of b: a's bytes stand in (the kernel takes one pointer type)
+        b = a
     return (a, na), (b, nb)
 
 

@@ -358,6 +358,9 @@ def test_l2_prefetch_ranges():
     assert got(a, b, 1000) == (pa, 1000, pb, 0)
     assert got(a, None, 1 << 30)[:2] == (pa, 153600) and got(a, None, 1 << 30)[3] == 0
     assert got(b.t(), a, 1 << 20) == (pa, 153600, pa, 0)
-    assert got(a, b.t(), 1 << 20)[:2] == (pa, 153600) and got(a, b.t(), 1 << 20)[3] == 0
+    assert got(a, b.t(), 1 << 20) == (pa, 153600, pa, 0)
+    for first, second in ((a, b), (a, b.t()), (b.t(), a), (a, None)):  # one pointer type
+        (x, _), (y, _) = prefetch_ranges(first, second, 1000)
+        assert x.dtype == y.dtype == torch.uint8
     assert got(b.t(), None, 1 << 20)[1] == 0
     assert got(a, b, 0)[1] == 0 and got(a, b, 0)[3] == 0
