@@ -316,9 +316,9 @@ case "$STAGE" in
   tiles)
     # Session 28: the fused attention's key tile (gpu_model.ROPE_ATTENTION_BLOCK_N, an A/B
     # knob) with the full-grid minimum tiles (triton_attention.FULL_GRID_MIN_TILES); session
-    # 29 ran it (neither became a default: gpu_model's docstrings). TILES_PARTS=tests: the GPU tests of the
-    # fused prologues, linear configs and decode; else bench rollout side by side, then
-    # the 1.5B batch-1 profile with the planner's fused-prologue timings.
+    # 29 ran it (neither became a default: gpu_model's docstrings). TILES_PARTS=tests: the
+    # GPU tests of the fused prologues, linear configs and decode; else bench rollout side
+    # by side, then the 1.5B batch-1 profile with the planner's fused-prologue timings.
     G=megatron_tlt.rollout.gpu_model A=megatron_tlt.rollout.triton_attention
     if [ "${TILES_PARTS:-bench}" = tests ]; then
       pytest_stage "tiles tests" 120 gpu_tests_tiles.log tests/gpu/test_engine_gpu.py \

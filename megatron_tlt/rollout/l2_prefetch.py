@@ -61,27 +61,21 @@ def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, LINE: tl.constexpr,
         tl.extra.cuda.gdc_wait()
 
 
-def _bytes_of(t: torch.Tensor, limit: int) -> tuple[torch.Tensor, int]:
-    """t as bytes and its first min(limit, size) bytes; none of a tensor that is not
-    contiguous (a hint skipped, nothing else changes)."""
-    if not t.is_contiguous():
-        return t, 0
-    flat = t.view(-1).view(torch.uint8)
-    return flat, max(0, min(int(limit), flat.numel()))
-
-
 def prefetch_ranges(first: torch.Tensor, second: torch.Tensor | None,
                     budget: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
     """((bytes a, count), (bytes b, count)) that l2_prefetch asks for: `first` from its
-    start, then `second` with what is left of `budget`; a tensor that is not contiguous is
-    skipped, and a lone range comes first (count 0: nothing of it)."""
-    a, na = _bytes_of(first, budget)
-    b, nb = (a, 0) if second is None else _bytes_of(second, budget - na)
-    if na == 0:  # first skipped (not contiguous, or no budget): second alone
-        (a, na), (b, nb) = (b, nb), (b, 0)
-    if nb == 0:  # nothing of b: a's bytes stand in (the kernel takes one pointer type)
-        b = a
-    return (a, na), (b, nb)
+    start, then `second` with what is left of `budget`, as uint8 views. A tensor that is
+    not contiguous is skipped (the hint only); a lone range comes first, and an empty second
+    range is the first's bytes with count 0 (the kernel takes one pointer type)."""
+    ranges, left = [], max(0, int(budget))
+    for t in (first, second):
+        if t is not None and t.numel() and t.is_contiguous() and left > 0:
+            flat = t.view(-1).view(torch.uint8)
+            ranges.append((flat, min(left, flat.numel())))
+            left -= ranges[-1][1]
+    if not ranges:
+        return (first, 0), (first, 0)
+    return ranges[0], ranges[1] if len(ranges) > 1 else (ranges[0][0], 0)
 
 
 def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -> int:

@@ -470,21 +470,6 @@ class LinearPlanner(PlanCache):
         return self._choose(self.fused, key, lambda: self._tune_fused(
             kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
 
-    def _fastest_fused(self, m, n, k, unfused: float, call) -> tuple[LinearConfig | None, float, float]:
-        """(config, us, unfused us): the fastest Triton config of call(cfg, i) (a fused
-        projection cycling through weight copies), or None with `unfused` when none beats it."""
-        best, best_us = None, unfused
-        for cfg in candidate_configs(m, n, k):
-            if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
-                continue
-            try:
-                us = _time_us(lambda i: call(cfg, i), self.iters)  # noqa: B023
-            except Exception:  # a config that does not compile on this device
-                continue
-            if us < best_us:
-                best, best_us = cfg, us
-        return best, best_us, unfused
-
     def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
         s_in = planes.shape[0]
@@ -501,11 +486,21 @@ class LinearPlanner(PlanCache):
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
         unfused = _time_us(consumer, self.iters) + proj_us
-        if kind == "norm":
-            call = lambda cfg, i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731
-        else:
-            call = lambda cfg, i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731
-        return self._fastest_fused(m, n, k, unfused, call)
+        best, best_us = None, unfused
+        for cfg in candidate_configs(m, n, k):
+            if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
+                continue
+            if kind == "norm":
+                fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023
+            else:
+                fn = lambda i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731,B023
+            try:
+                us = _time_us(fn, self.iters)
+            except Exception:  # a config that does not compile on this device
+                continue
+            if us < best_us:
+                best, best_us = cfg, us
+        return best, best_us, unfused
 
     def _tune(self, x, weight, key) -> tuple[LinearConfig, float]:
         m, n, k = key[:3]
