@@ -1,0 +1,210 @@
+"""Where the fused decode attention's time goes: a copy of gpu_model._rope_attention_kernel
+with clock reads between its phases, on the GPU.
+
+    python tools/attention_phases.py --shape 1.5b --batch 1 [--splits N] [--json FILE]
+
+The copy is made from the kernel's own source (the reads inserted before the statements
+named in PHASES), so it stays the kernel that runs; each read waits for a value its phase
+produced (the context length, the first key tile, the new token's K, ...), so a phase's
+time is how long its loads or its wait took to arrive, in the order the program meets them
+(the reads delay what follows them a little; the kernel's time without them is printed
+beside). Each program records %clock64 and %globaltimer at every read into a buffer passed
+as the decode's unused tree-mask pointer. Printed: per phase, the median and the slowest
+program's time since the previous read (ns, from clock64 at the SM clock that globaltimer
+gives over the whole program), the spread of the programs' start times, and the kernel's
+span. A measurement tool, not a test: it asserts nothing about time, and checks the
+instrumented kernel's output equal to the kernel's (torch.equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import tempfile
+import textwrap
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_tlt.bench import SHAPES, _git_revision
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout import gpu_model, triton_attention
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attention_sweep import case, time_graph  # noqa: E402
+
+# (a statement the read goes before, searched in order from the previous one; the value it
+# waits for, an expression of the kernel's names; the phase's name)
+PHASES = [
+    ("if MODE != 0:", "0", "entry"),
+    ("prefix = ctx - n_new", "ctx", "context length loaded"),
+    ("if MODE == 0:", "tl.sum(pos)", "position loaded"),
+    ("hold = (prefix >= start)", "tl.sum(k0.to(tl.float32)) + tl.sum(v0.to(tl.float32))",
+     "block table + first K/V tile loaded"),
+    ("row_w = qkv_ptr", "0", "PDL wait done"),
+    ("k_row = tl.max(", "tl.sum(k_new.to(tl.float32)) + tl.sum(v_new.to(tl.float32))",
+     "new token's K (RoPE) and V from the QKV planes"),
+    ("q = tl.zeros(", "tl.sum(k_row.to(tl.float32))", "new row picked"),
+    ("if MODE == 0:", "tl.sum(q.to(tl.float32))", "query RoPE"),
+    ("_store_kv(k_ptr, v_ptr, slot, j_ok", "tl.sum(l_i)", "attention over the keys"),
+    ("n_merge = _n_merge(", "0", "K/V store issued"),
+    (None, "0", "output / partials stored"),
+]
+SLOTS = 16  # int64 pairs per program
+
+
+@triton.jit
+def _tick(tm_ptr, PHASE: tl.constexpr, dep):
+    """%clock64 and %globaltimer once `dep` is ready, into this program's slot PHASE."""
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    d = (tl.zeros([1], tl.int32) + dep).to(tl.int32)
+    clk, gt = tl.inline_asm_elementwise(
+        "{ .reg .u32 t; mov.u32 t, $2; mov.u64 $0, %clock64; mov.u64 $1, %globaltimer; }",
+        "=l,=l,r", [d], dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+    base = tm_ptr + pid.to(tl.int64) * (2 * 16) + 2 * PHASE + tl.arange(0, 1)
+    tl.store(base, clk)
+    tl.store(base + 1, gt)
+
+
+def instrumented_kernel():
+    """The kernel's source with a _tick before each PHASES statement, as a Triton kernel of
+    a module written to a temporary file (Triton reads a kernel's source from its file)."""
+    src = textwrap.dedent(inspect.getsource(gpu_model._rope_attention_kernel.fn))
+    lines = src.splitlines()
+    out, at = [], 0
+    for phase, (stmt, dep, _) in enumerate(PHASES):
+        if stmt is None:
+            out += lines[at:]
+            out.append(f"    _tick(tm_ptr, {phase}, {dep})")
+            at = len(lines)
+            break
+        i = next((j for j in range(at, len(lines)) if lines[j].strip().startswith(stmt)), None)
+        if i is None:
+            raise RuntimeError(f"attention_phases: no statement {stmt!r} in the kernel's source "
+                               f"after line {at}: update PHASES to the kernel")
+        indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        out += lines[at:i]
+        out.append(f"{indent}_tick(tm_ptr, {phase}, {dep})")
+        at = i
+    body = "\n".join(out)
+    body = body.replace("def _rope_attention_kernel(", "def _rope_attention_phases(", 1)
+    module = ("from megatron_tlt.rollout import gpu_model as _gm\n"
+              "globals().update({k: v for k, v in vars(_gm).items() if not k.startswith('__')})\n"
+              "from attention_phases import _tick\n\n" + body + "\n")
+    path = os.path.join(tempfile.mkdtemp(prefix="attn_phases_"), "attn_phases_kernel.py")
+    with open(path, "w") as f:
+        f.write(module)
+    spec = importlib.util.spec_from_file_location("attn_phases_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._rope_attention_phases
+
+
+class _Swap:
+    """Stands in for gpu_model._rope_attention_kernel: launches `kernel` with the timer
+    buffer in place of the tree-mask pointer (argument 11; decode never reads it)."""
+
+    def __init__(self, kernel, timers_for):
+        self.kernel, self.timers_for = kernel, timers_for
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            args = list(args)
+            args[11] = self.timers_for(grid)
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def summarize(t: torch.Tensor, n_phases: int) -> dict:
+    """Per-phase median / max of the time since the previous read (ns), start spread, span."""
+    clk = t[:, :n_phases, 0].double()
+    gt = t[:, :n_phases, 1].double()
+    ghz = ((clk[:, -1] - clk[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1)).median().item()
+    d = (clk[:, 1:] - clk[:, :-1]) / ghz
+    start = gt[:, 0] - gt[:, 0].min()
+    rows = []
+    for i in range(1, n_phases):
+        rows.append({"phase": PHASES[i][2], "median_ns": d[:, i - 1].median().item(),
+                     "max_ns": d[:, i - 1].max().item()})
+    return {"sm_ghz": ghz, "programs": t.shape[0], "phases": rows,
+            "program_median_ns": ((clk[:, -1] - clk[:, 0]) / ghz).median().item(),
+            "start_spread_ns": start.max().item(),
+            "span_ns": (gt[:, -1].max() - gt[:, 0].min()).item()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1.5b", choices=sorted(s for s in SHAPES if s != "tiny"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=212)
+    p.add_argument("--splits", type=int, default=None, help="default: the engine's for a "
+                   "312-key maximum (bench rollout's)")
+    p.add_argument("--planes", type=int, default=1)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    arch = ModelArch(**SHAPES[a.shape])
+    qkv, pos, slots, cos, sin, bias, caches, meta = case(arch, a.batch, a.context, a.layers, 16,
+                                                         a.planes, dev)
+    group = arch.num_heads // arch.num_kv_heads
+    splits = a.splits or triton_attention.splits_for(caches[0][0], a.batch, a.context + 100, group)
+    kw = dict(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+              scale=arch.head_dim ** -0.5, bias=bias, num_splits=splits)
+
+    def run():
+        return [gpu_model.rope_attention(qkv, pos, slots, cos, sin, k, v, **meta, **kw)
+                for k, v in caches]
+
+    ref = run()
+    us = time_graph(run, 15) / a.layers
+    timers = {}
+
+    def timers_for(grid):
+        n = grid[0] * grid[1] * grid[2]
+        buf = torch.empty(n, SLOTS, 2, dtype=torch.int64, device=dev)
+        timers.setdefault("bufs", []).append(buf)
+        return buf
+
+    kernel = instrumented_kernel()
+    saved = gpu_model._rope_attention_kernel
+    gpu_model._rope_attention_kernel = _Swap(kernel, timers_for)
+    try:
+        for _ in range(3):  # compile, then warm
+            timers.clear()
+            out = run()
+            torch.cuda.synchronize()
+        us_inst = time_graph(run, 15) / a.layers
+        timers.clear()
+        out = run()
+        torch.cuda.synchronize()
+    finally:
+        gpu_model._rope_attention_kernel = saved
+    same = all(torch.equal(o, r) for o, r in zip(out, ref))
+    per_layer = [summarize(b.cpu(), len(PHASES)) for b in timers["bufs"][1:]]  # layer 0: cold
+    pick = per_layer[len(per_layer) // 2]
+    print(f"{a.shape} B={a.batch} context {a.context} splits {splits}: "
+          f"{pick['programs']} programs, {torch.cuda.get_device_name()}, SM {pick['sm_ghz']:.2f} GHz")
+    print(f"kernel {us:.2f} us per call (graph of {a.layers}), instrumented {us_inst:.2f}; "
+          f"output equal: {same}")
+    print(f"one eager call (layer {len(per_layer) // 2 + 1}): span {pick['span_ns'] / 1e3:.2f} us, "
+          f"program starts spread {pick['start_spread_ns'] / 1e3:.2f} us, "
+          f"a program {pick['program_median_ns'] / 1e3:.2f} us (median)")
+    for r in pick["phases"]:
+        print(f"  {r['phase']:48s} median {r['median_ns']:8.0f} ns   slowest {r['max_ns']:8.0f} ns")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": " ".join(["python", *sys.argv]), "git_revision": _git_revision(),
+                       "shape": a.shape, "batch": a.batch, "context": a.context, "splits": splits,
+                       "device": torch.cuda.get_device_name(), "us_per_call": us,
+                       "us_per_call_instrumented": us_inst, "output_equal": same,
+                       "layers": per_layer}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
