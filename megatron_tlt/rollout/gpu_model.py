@@ -150,12 +150,6 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
-ROPE_ATTENTION_EARLY_Q: bool = True
-"""Decode: the _rope_attention_kernel loads the query's QKV planes right after the PDL wait,
-beside the new token's K and V (straight-line masked loads), instead of after the new
-token's row is picked (inside a branch, so the two waits for L2 came one after the other:
-tools/attention_phases.py, session 30). The same arithmetic, bit for bit. Read at each
-launch, as NORM_WARPS (bench rollout --compare-attr ...:ROPE_ATTENTION_EARLY_Q=False)."""
 ATTN_L2_PREFETCH_MB: float = 4
 """Megabytes of weights DecodeModel asks L2 for right after each layer's fused attention
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
@@ -362,7 +356,7 @@ def _rope_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
-        EARLY_Q: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
@@ -399,10 +393,6 @@ def _rope_attention_kernel(
         slot = tl.load(slot_ptr + tok_w * stride_slot, mask=j_ok, other=-1).to(tl.int64)
         pos_w = tl.load(pos_ptr + tok_w * stride_pos, mask=j_ok, other=0).to(tl.int64)
         pdl_enter(USE_PDL)  # the loads above read no output of the kernel before: docstring
-        if EARLY_Q:  # the query's QKV loads beside the new token's (below), not after them
-            q = _query_rope(qkv_ptr, stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, tok,
-                            head, row_ok & (split < n_live), pos, stride_cos,
-                            k_ptr.dtype.element_ty, HEAD_DIM, HALF, D_PAD, S, HAS_BIAS)
         row_w = qkv_ptr + tok_w * stride_qkv
         kh = NUM_HEADS + kvh + 0 * tl.arange(0, WB)
         k_new = _rope_rows(row_w, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, kh, j_ok, pos_w,
@@ -435,12 +425,11 @@ def _rope_attention_kernel(
                       stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
         tl.debug_barrier()  # the K/V stores before this block's loads of them
 
-    if MODE != 0 or not EARLY_Q:
-        q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
-        if split < n_live:  # a split without keys (most, for short contexts) needs no query
-            q = _query_rope(qkv_ptr, stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, tok,
-                            head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM,
-                            HALF, D_PAD, S, HAS_BIAS)
+    q = tl.zeros([BLOCK_M, D_PAD], k_ptr.dtype.element_ty)
+    if split < n_live:  # a split without keys (most, for short contexts) needs no query
+        q = _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr,
+                       head, row_ok, pos, stride_cos, k_ptr.dtype.element_ty, HEAD_DIM, HALF,
+                       D_PAD, S, HAS_BIAS)  # 0 past n_new
     if MODE == 0:
         m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi,
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
@@ -459,15 +448,6 @@ def _rope_attention_kernel(
     _finish(acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, lk_ptr, tok, head, row_ok, d, d_ok,
             b, kvh, tile, split, n_live, n_merge, num_splits, stride_ot, stride_oh, stride_pot,
             stride_poh, stride_pos_s, stride_pmt, stride_pmh, BLOCK_M, D_PAD, SPLIT, MERGE, MODE)
-
-
-@triton.jit
-def _query_rope(qkv_ptr, stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, tok, head, row_ok,
-                pos, stride_cos, DT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                D_PAD: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The query rows (token tok, head `head`) with RoPE at `pos`; 0 for rows without row_ok."""
-    return _rope_rows(qkv_ptr + tok * stride_qkv, stride_qkv_s, bias_ptr, cos_ptr, sin_ptr, head,
-                      row_ok, pos, stride_cos, DT, HEAD_DIM, HALF, D_PAD, S, HAS_BIAS)
 
 
 @triton.jit
@@ -583,7 +563,6 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
-        EARLY_Q=ROPE_ATTENTION_EARLY_Q,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
