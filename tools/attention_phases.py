@@ -38,64 +38,102 @@ from megatron_tlt.rollout import gpu_model, triton_attention
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_sweep import case, time_graph  # noqa: E402
 
-# (a statement the read goes before, searched in order from the previous one; the value it
-# waits for, an expression of the kernel's names; the phase's name)
+# (the function: the kernel, or _attend_tile (one key tile's online softmax; its reads are
+# the last tile's of each program); a statement the read goes before, searched in order
+# from the previous one of that function (None: the function's end); the value it waits
+# for, an expression of the function's names (a tensor: each thread waits for its own
+# elements, no reduction added); the phase's name)
 PHASES = [
-    ("if MODE != 0:", "0", "entry"),
-    ("prefix = ctx - n_new", "ctx", "context length loaded"),
-    ("if MODE == 0:", "tl.sum(pos)", "position loaded"),
-    ("hold = (prefix >= start)", "tl.sum(k0.to(tl.float32)) + tl.sum(v0.to(tl.float32))",
+    ("kernel", "if MODE != 0:", "0", "entry"),
+    ("kernel", "prefix = ctx - n_new", "ctx", "context length loaded"),
+    ("kernel", "if MODE == 0:", "pos", "position loaded"),
+    ("kernel", "hold = (prefix >= start)", "k0.to(tl.float32) + v0.to(tl.float32)",
      "block table + first K/V tile loaded"),
-    ("row_w = qkv_ptr", "0", "PDL wait done"),
-    ("k_row = tl.max(", "tl.sum(k_new.to(tl.float32)) + tl.sum(v_new.to(tl.float32))",
+    ("kernel", "row_w = qkv_ptr", "0", "PDL wait done"),
+    ("kernel", "k_row = tl.max(", "k_new.to(tl.float32) + v_new.to(tl.float32)",
      "new token's K (RoPE) and V from the QKV planes"),
-    ("q = tl.zeros(", "tl.sum(k_row.to(tl.float32))", "new row picked"),
-    ("if MODE == 0:", "tl.sum(q.to(tl.float32))", "query RoPE"),
-    ("_store_kv(k_ptr, v_ptr, slot, j_ok", "tl.sum(l_i)", "attention over the keys"),
-    ("n_merge = _n_merge(", "0", "K/V store issued"),
-    (None, "0", "output / partials stored"),
+    ("kernel", "q = tl.zeros(", "k_row.to(tl.float32) + v_row.to(tl.float32)", "new row picked"),
+    ("kernel", "if MODE == 0:", "q.to(tl.float32)", "query RoPE"),
+    ("tile", "n = n0 + tl.arange", "k.to(tl.float32) + v.to(tl.float32)",
+     "  last tile: its K/V in registers"),
+    ("tile", "vis = row_ok[:, None]", "s", "  last tile: q.K^T (MMA)"),
+    ("tile", "m_safe = tl.where(", "m_new", "  last tile: masked row max"),
+    ("tile", "alpha = tl.exp2(", "p", "  last tile: exp2"),
+    ("tile", "acc = acc * alpha", "l_i", "  last tile: row sum"),
+    ("tile", "return m_new, l_i, acc", "acc", "  last tile: p.V (MMA)"),
+    ("kernel", "_store_kv(k_ptr, v_ptr, slot, j_ok", "acc", "attention over the keys done"),
+    ("kernel", "n_merge = _n_merge(", "0", "K/V store issued"),
+    ("kernel", None, "0", "output / partials stored"),
 ]
-SLOTS = 16  # int64 pairs per program
+SLOTS = 32  # int64 pairs per program
+_ASM = tl.constexpr("{ .reg .b32 t; mov.b32 t, $2; mov.u64 $0, %clock64; mov.u64 $1, %globaltimer; }")
+_CONSTRAINTS = tl.constexpr("=l,=l,r")
 
 
 @triton.jit
 def _tick(tm_ptr, PHASE: tl.constexpr, dep):
-    """%clock64 and %globaltimer once `dep` is ready, into this program's slot PHASE."""
+    """%clock64 and %globaltimer once the scalar `dep` is ready, into this program's slot
+    PHASE."""
     pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
     d = (tl.zeros([1], tl.int32) + dep).to(tl.int32)
-    clk, gt = tl.inline_asm_elementwise(
-        "{ .reg .u32 t; mov.u32 t, $2; mov.u64 $0, %clock64; mov.u64 $1, %globaltimer; }",
-        "=l,=l,r", [d], dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
-    base = tm_ptr + pid.to(tl.int64) * (2 * 16) + 2 * PHASE + tl.arange(0, 1)
+    clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
+                                        is_pure=False, pack=1)
+    base = tm_ptr + pid.to(tl.int64) * (2 * 32) + 2 * PHASE + tl.arange(0, 1)
     tl.store(base, clk)
     tl.store(base + 1, gt)
 
 
-def instrumented_kernel():
-    """The kernel's source with a _tick before each PHASES statement, as a Triton kernel of
-    a module written to a temporary file (Triton reads a kernel's source from its file)."""
-    src = textwrap.dedent(inspect.getsource(gpu_model._rope_attention_kernel.fn))
-    lines = src.splitlines()
+@triton.jit
+def _tick_t(tm_ptr, PHASE: tl.constexpr, dep):
+    """As _tick for a tensor `dep`: each thread reads the clocks once its own elements of it
+    are ready and stores them into the one slot (one of the threads' values lands)."""
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    d = dep.to(tl.float32).to(tl.int32, bitcast=True)
+    clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
+                                        is_pure=False, pack=1)
+    base = tm_ptr + pid.to(tl.int64) * (2 * 32) + 2 * PHASE
+    tl.store(base + 0 * clk, clk)
+    tl.store(base + 1 + 0 * gt, gt)
+
+
+def _instrument(fn, phases: list[tuple[int, str | None, str]]) -> str:
+    """fn's source with a tick before each (phase, statement, dep) of `phases`."""
+    lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
     out, at = [], 0
-    for phase, (stmt, dep, _) in enumerate(PHASES):
+    for phase, stmt, dep in phases:
+        tick = "_tick" if dep in ("0", "ctx") else "_tick_t"
         if stmt is None:
             out += lines[at:]
-            out.append(f"    _tick(tm_ptr, {phase}, {dep})")
+            out.append(f"    {tick}(tm_ptr, {phase}, {dep})")
             at = len(lines)
             break
         i = next((j for j in range(at, len(lines)) if lines[j].strip().startswith(stmt)), None)
         if i is None:
-            raise RuntimeError(f"attention_phases: no statement {stmt!r} in the kernel's source "
-                               f"after line {at}: update PHASES to the kernel")
+            raise RuntimeError(f"attention_phases: no statement {stmt!r} in {fn.__name__}'s "
+                               f"source after line {at}: update PHASES to the kernel")
         indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
         out += lines[at:i]
-        out.append(f"{indent}_tick(tm_ptr, {phase}, {dep})")
+        out.append(f"{indent}{tick}(tm_ptr, {phase}, {dep})")
         at = i
-    body = "\n".join(out)
-    body = body.replace("def _rope_attention_kernel(", "def _rope_attention_phases(", 1)
-    module = ("from megatron_tlt.rollout import gpu_model as _gm\n"
-              "globals().update({k: v for k, v in vars(_gm).items() if not k.startswith('__')})\n"
-              "from attention_phases import _tick\n\n" + body + "\n")
+    return "\n".join(out + lines[at:]) + "\n"
+
+
+def instrumented_kernel():
+    """The kernel's and _attend_tile's sources with a tick before each PHASES statement
+    (and _attend's, unchanged, so it calls the instrumented tile), as a Triton kernel of a
+    module written to a temporary file (Triton reads a kernel's source from its file)."""
+    by_fn = {"kernel": [], "tile": []}
+    for phase, (where, stmt, dep, _) in enumerate(PHASES):
+        by_fn[where].append((phase, stmt, dep))
+    kernel = _instrument(gpu_model._rope_attention_kernel.fn, by_fn["kernel"])
+    kernel = kernel.replace("def _rope_attention_kernel(", "def _rope_attention_phases(", 1)
+    tile = _instrument(triton_attention._attend_tile.fn, by_fn["tile"])
+    attend = textwrap.dedent(inspect.getsource(triton_attention._attend.fn))
+    module = ("from megatron_tlt.rollout import gpu_model as _gm, triton_attention as _ta\n"
+              "for _m in (_ta, _gm):\n"
+              "    globals().update({k: v for k, v in vars(_m).items() if not k.startswith('__')})\n"
+              "from attention_phases import _tick, _tick_t\n\n"
+              + tile + "\n\n" + attend + "\n\n" + kernel)
     path = os.path.join(tempfile.mkdtemp(prefix="attn_phases_"), "attn_phases_kernel.py")
     with open(path, "w") as f:
         f.write(module)
@@ -121,20 +159,23 @@ class _Swap:
 
 
 def summarize(t: torch.Tensor, n_phases: int) -> dict:
-    """Per-phase median / max of the time since the previous read (ns), start spread, span."""
+    """Per-phase median / max of the time since the previous read (ns), start spread, span:
+    over the programs that ran every phase (a program whose split holds no keys skips the
+    tile's)."""
     clk = t[:, :n_phases, 0].double()
     gt = t[:, :n_phases, 1].double()
-    ghz = ((clk[:, -1] - clk[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1)).median().item()
-    d = (clk[:, 1:] - clk[:, :-1]) / ghz
+    ran = (clk > 0).all(1) & (clk[:, 1:] >= clk[:, :-1]).all(1)
+    ghz = ((clk[:, -1] - clk[:, 0]) / (gt[:, -1] - gt[:, 0]).clamp(min=1))[ran].median().item()
+    d = (clk[ran, 1:] - clk[ran, :-1]) / ghz
     start = gt[:, 0] - gt[:, 0].min()
     rows = []
     for i in range(1, n_phases):
-        rows.append({"phase": PHASES[i][2], "median_ns": d[:, i - 1].median().item(),
+        rows.append({"phase": PHASES[i][3], "median_ns": d[:, i - 1].median().item(),
                      "max_ns": d[:, i - 1].max().item()})
-    return {"sm_ghz": ghz, "programs": t.shape[0], "phases": rows,
-            "program_median_ns": ((clk[:, -1] - clk[:, 0]) / ghz).median().item(),
+    return {"sm_ghz": ghz, "programs": t.shape[0], "programs_timed": int(ran.sum()),
+            "phases": rows, "program_median_ns": ((clk[ran, -1] - clk[ran, 0]) / ghz).median().item(),
             "start_spread_ns": start.max().item(),
-            "span_ns": (gt[:, -1].max() - gt[:, 0].min()).item()}
+            "span_ns": (gt[:, n_phases - 1].max() - gt[:, 0].min()).item()}
 
 
 def main() -> None:
@@ -167,7 +208,7 @@ def main() -> None:
 
     def timers_for(grid):
         n = grid[0] * grid[1] * grid[2]
-        buf = torch.empty(n, SLOTS, 2, dtype=torch.int64, device=dev)
+        buf = torch.zeros(n, SLOTS, 2, dtype=torch.int64, device=dev)
         timers.setdefault("bufs", []).append(buf)
         return buf
 
@@ -189,7 +230,7 @@ def main() -> None:
     per_layer = [summarize(b.cpu(), len(PHASES)) for b in timers["bufs"][1:]]  # layer 0: cold
     pick = per_layer[len(per_layer) // 2]
     print(f"{a.shape} B={a.batch} context {a.context} splits {splits}: "
-          f"{pick['programs']} programs, {torch.cuda.get_device_name()}, SM {pick['sm_ghz']:.2f} GHz")
+          f"{pick['programs']} programs ({pick['programs_timed']} with keys), {torch.cuda.get_device_name()}, SM {pick['sm_ghz']:.2f} GHz")
     print(f"kernel {us:.2f} us per call (graph of {a.layers}), instrumented {us_inst:.2f}; "
           f"output equal: {same}")
     print(f"one eager call (layer {len(per_layer) // 2 + 1}): span {pick['span_ns'] / 1e3:.2f} us, "
