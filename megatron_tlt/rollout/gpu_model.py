@@ -150,14 +150,6 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
-ROPE_ATTENTION_LAST_APART: bool = True
-"""Decode: the _rope_attention_kernel's splits of several key tiles take the tiles between
-their first and last straight from the loads into the MMA (so Triton's pipeliner loads
-them ahead) and issue the last tile's loads first (triton_attention._attend, LAST_APART);
-before session 30 every tile passed through the new token's tl.where, which kept the
-loads from being pipelined (tools/attention_phases.py: ~2.8 us per tile at the 7B shape,
-batch 32, H100). The same bits. Read at each launch, as NORM_WARPS (bench rollout
---compare-attr ...:ROPE_ATTENTION_LAST_APART=False)."""
 ATTN_L2_PREFETCH_MB: float = 4
 """Megabytes of weights DecodeModel asks L2 for right after each layer's fused attention
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
@@ -364,7 +356,7 @@ def _rope_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
-        LAST_APART: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
@@ -443,7 +435,7 @@ def _rope_attention_kernel(
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                                 stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
-                                k0, v0, k_row, v_row, NEW_ROW=True, LAST_APART=LAST_APART)
+                                k0, v0, k_row, v_row, NEW_ROW=True)
         # The new token's K and V into the cache: read by later launches, not this one.
         _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
@@ -571,7 +563,6 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
-        LAST_APART=ROPE_ATTENTION_LAST_APART,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

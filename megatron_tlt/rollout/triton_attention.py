@@ -245,53 +245,27 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
             stride_tmb, stride_tmi, scale_log2,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, MODE: tl.constexpr,
-            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False,
-            LAST_APART: tl.constexpr = False):
+            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False):
     """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
     KV head kvh: (running max m, running sum l, unnormalised output acc). NEW_ROW (the
     fused decode): the first tile's keys/values k0 / v0 are loaded already, and the key at
-    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row).
-    LAST_APART (with NEW_ROW): the new token, the context's last key, can only be in the
-    first or the last tile of the split, so the tiles between load straight into the MMA
-    (Triton's pipeliner then loads ahead: a tl.where between the load and the dot stops it),
-    and the last tile's loads are issued before them. The same tiles in the same order: the
-    same bits."""
+    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     n_from = start
     if NEW_ROW:
         k0, v0 = _with_new_row(k0, v0, k_row, v_row, start, end, prefix, BLOCK_N)
-        if LAST_APART:
-            last = start + tl.maximum(end - 1 - start, 0) // BLOCK_N * BLOCK_N
-            # nothing loaded when the first tile is the last (end 0 masks every key)
-            kl, vl = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, last, tl.where(last > start, end, 0),
-                              d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                              stride_vh, stride_btb, BLOCK_N, PAGE)
         m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
                                      tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
         n_from = start + BLOCK_N
-    if NEW_ROW and LAST_APART:
-        for n0 in range(n_from, last, BLOCK_N):
-            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
-                            stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
-        if last > start:
-            kl, vl = _with_new_row(kl, vl, k_row, v_row, last, end, prefix, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q, kl, vl, last, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
-    else:
-        for n0 in range(n_from, end, BLOCK_N):
-            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
-                            stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
-            if NEW_ROW:
-                k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
-            m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc,
-                                         tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N,
-                                         MODE)
+    for n0 in range(n_from, end, BLOCK_N):
+        k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
+                        stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+        if NEW_ROW:
+            k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
+                                     b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
     return m_i, l_i, acc
 
 
