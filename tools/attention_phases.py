@@ -19,6 +19,7 @@ instrumented kernel's output equal to the kernel's (torch.equal).
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import inspect
 import json
@@ -187,8 +188,15 @@ def main() -> None:
                    "312-key maximum (bench rollout's)")
     p.add_argument("--planes", type=int, default=1)
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a gpu_model launch knob (a Python literal), e.g. ROPE_ATTENTION_WARPS=4")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    for kv in a.set:
+        name, _, value = kv.partition("=")
+        if not hasattr(gpu_model, name):
+            raise SystemExit(f"attention_phases: gpu_model has no {name}")
+        setattr(gpu_model, name, ast.literal_eval(value))
     dev = torch.device("cuda")
     arch = ModelArch(**SHAPES[a.shape])
     qkv, pos, slots, cos, sin, bias, caches, meta = case(arch, a.batch, a.context, a.layers, 16,
@@ -241,7 +249,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": " ".join(["python", *sys.argv]), "git_revision": _git_revision(),
-                       "shape": a.shape, "batch": a.batch, "context": a.context, "splits": splits,
+                       "settings": a.set, "shape": a.shape, "batch": a.batch, "context": a.context, "splits": splits,
                        "device": torch.cuda.get_device_name(), "us_per_call": us,
                        "us_per_call_instrumented": us_inst, "output_equal": same,
                        "layers": per_layer}, f, indent=1)
