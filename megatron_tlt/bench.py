@@ -716,6 +716,11 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     del engine, weights
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
+    if runner is not None:  # the prologue-fusion choices (those of --compare-attr runs too)
+        plans += [{"fused": k[0], "m": k[1], "n": k[2], "k": k[3], "planes": k[4],
+                   "key_extra": [str(x) for x in k[6:]], "config": str(c), "fused_us": f_us,
+                   "unfused_us": u_us}
+                  for k, (c, f_us, u_us) in runner.model.planner.fused.items()]
     return rows, hf_rows, {name: plans}
 
 
@@ -866,7 +871,9 @@ def main(args: argparse.Namespace) -> int:
                                "names it: MODULE:NAME=VALUE) and every other setting as "
                                "decode_ms ran",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
-                            "the microseconds it timed for each candidate",
+                            "the microseconds it timed for each candidate; entries with "
+                            "'fused' (norm / silu): the prologue-fused config chosen (None: "
+                            "the separate kernel) with its and the separate pair's us",
         },
         "results": rows,
         "hf": hf_rows,
