@@ -357,13 +357,6 @@ whether re-reading them in every program beats a separate launch is the timing's
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
-FUSED_CREDIT_US: float = 0.0
-"""Microseconds a prologue-fused projection may lose to the separate kernel + projection
-in the planner's isolated timings and still be chosen: the separate kernel is one more
-launch in the decode chain (under PDL one more wait for a whole grid to finish), which
-timing each kernel alone does not see. 0: the faster in isolation. Read when a choice is
-tuned, and part of its key when nonzero (a whole microsecond count), so an A/B run tunes
-its own (bench rollout --compare-attr megatron_tlt.rollout.triton_linear:FUSED_CREDIT_US=2)."""
 
 
 def _row_bucket(m: int) -> int:
@@ -474,14 +467,10 @@ class LinearPlanner(PlanCache):
         key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         if row_local:
             key += (_ROW_LOCAL,)
-        credit = int(FUSED_CREDIT_US)
-        if credit:
-            key += (f"credit_us:{credit}",)
         return self._choose(self.fused, key, lambda: self._tune_fused(
-            kind, planes, weight, norm_weight, eps, m, row_local=row_local, credit_us=credit))[0]
+            kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
 
-    def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False,
-                    credit_us=0):
+    def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
         s_in = planes.shape[0]
         n, k = weight.shape
@@ -497,7 +486,7 @@ class LinearPlanner(PlanCache):
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
         unfused = _time_us(consumer, self.iters) + proj_us
-        best, best_us = None, unfused + credit_us
+        best, best_us = None, unfused
         for cfg in candidate_configs(m, n, k):
             if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
                 continue
@@ -511,7 +500,7 @@ class LinearPlanner(PlanCache):
                 continue
             if us < best_us:
                 best, best_us = cfg, us
-        return best, best_us if best is not None else unfused, unfused
+        return best, best_us, unfused
 
     def _tune(self, x, weight, key) -> tuple[LinearConfig, float]:
         m, n, k = key[:3]
