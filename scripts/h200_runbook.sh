@@ -66,6 +66,9 @@
 #   l2        session 29's weight prefetch into L2 after the attention (default 4 MB): bench
 #             rollout against 0 and 8 MB (L2_PARTS=tests: its GPU tests, graph/PDL decode
 #             and tests/gpu/test_spec_gpu.py)
+#   phases    session 30's tools/attention_phases.py: the fused decode attention's time by
+#             phase (clock reads in a copy of the kernel), PHASES_SHAPES (default
+#             "1.5b:1 7b:32", SHAPE:BATCH each; random weights, no target needed)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -332,12 +335,17 @@ case "$STAGE" in
           --json "$RESULTS/profile_1.5b_b1.json" 2>&1 | grep -E "us/step|fused prologues|rror" | head -n 4
       echo "[runbook] tiles profile: at $(( $(date +%s) - t0 )) s"
     fi ;;
+  phases)
+    for sb in ${PHASES_SHAPES:-1.5b:1 7b:32}; do
+      timeout "$(upto 5)" $PY tools/attention_phases.py --shape "${sb%%:*}" --batch "${sb##*:}" \
+          --json "$RESULTS/attention_phases_${sb%%:*}_b${sb##*:}.json" 2>&1 | tail -n 19
+    done ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases gputests)" ;;
 esac
 exit 0
