@@ -4,11 +4,13 @@ with clock reads between its phases, on the GPU.
     python tools/attention_phases.py --shape 1.5b --batch 1 [--splits N] [--json FILE]
 
 The copy is made from the kernel's own source (the reads inserted before the statements
-named in PHASES), so it stays the kernel that runs; each read waits for a value its phase
-produced (the context length, the first key tile, the new token's K, ...), so a phase's
-time is how long its loads or its wait took to arrive, in the order the program meets them
-(the reads delay what follows them a little; the kernel's time without them is printed
-beside). Each program records %clock64 and %globaltimer at every read into a buffer passed
+named in PHASES; _attend_tile's too, whose reads are each program's last key tile's), so
+it stays the kernel that runs; each read waits for a value its phase produced (the context
+length, the first key tile, the new token's K, ...: each thread for its own elements of a
+tensor), so a phase's time is how long its loads, wait or arithmetic took, in the order the
+program meets them. The reads cost time themselves (the instrumented kernel's time per
+call is printed beside the kernel's): read the phases as where the time goes, not as exact
+figures. Each program records %clock64 and %globaltimer at every read into a buffer passed
 as the decode's unused tree-mask pointer. Printed: per phase, the median and the slowest
 program's time since the previous read (ns, from clock64 at the SM clock that globaltimer
 gives over the whole program), the spread of the programs' start times, and the kernel's
@@ -66,20 +68,29 @@ PHASES = [
     ("kernel", "n_merge = _n_merge(", "0", "K/V store issued"),
     ("kernel", None, "0", "output / partials stored"),
 ]
-SLOTS = 32  # int64 pairs per program
-_ASM = tl.constexpr("{ .reg .b32 t; mov.b32 t, $2; mov.u64 $0, %clock64; mov.u64 $1, %globaltimer; }")
+_SLOTS = tl.constexpr(32)  # (clock64, globaltimer) pairs per program
+SLOTS = _SLOTS.value
+_ASM = tl.constexpr("{ .reg .b32 t; mov.b32 t, $2; "
+                    "mov.u64 $0, %clock64; mov.u64 $1, %globaltimer; }")
 _CONSTRAINTS = tl.constexpr("=l,=l,r")
+
+
+@triton.jit
+def _slot(tm_ptr, PHASE: tl.constexpr):
+    """This program's (clock64, globaltimer) pair PHASE in the timer buffer."""
+    pid = tl.program_id(0) + tl.num_programs(0) * (
+        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    return tm_ptr + pid.to(tl.int64) * (2 * _SLOTS) + 2 * PHASE
 
 
 @triton.jit
 def _tick(tm_ptr, PHASE: tl.constexpr, dep):
     """%clock64 and %globaltimer once the scalar `dep` is ready, into this program's slot
     PHASE."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
     d = (tl.zeros([1], tl.int32) + dep).to(tl.int32)
     clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
                                         is_pure=False, pack=1)
-    base = tm_ptr + pid.to(tl.int64) * (2 * 32) + 2 * PHASE + tl.arange(0, 1)
+    base = _slot(tm_ptr, PHASE) + tl.arange(0, 1)
     tl.store(base, clk)
     tl.store(base + 1, gt)
 
@@ -88,11 +99,10 @@ def _tick(tm_ptr, PHASE: tl.constexpr, dep):
 def _tick_t(tm_ptr, PHASE: tl.constexpr, dep):
     """As _tick for a tensor `dep`: each thread reads the clocks once its own elements of it
     are ready and stores them into the one slot (one of the threads' values lands)."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
     d = dep.to(tl.float32).to(tl.int32, bitcast=True)
     clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
                                         is_pure=False, pack=1)
-    base = tm_ptr + pid.to(tl.int64) * (2 * 32) + 2 * PHASE
+    base = _slot(tm_ptr, PHASE)
     tl.store(base + 0 * clk, clk)
     tl.store(base + 1 + 0 * gt, gt)
 
@@ -174,7 +184,8 @@ def summarize(t: torch.Tensor, n_phases: int) -> dict:
         rows.append({"phase": PHASES[i][3], "median_ns": d[:, i - 1].median().item(),
                      "max_ns": d[:, i - 1].max().item()})
     return {"sm_ghz": ghz, "programs": t.shape[0], "programs_timed": int(ran.sum()),
-            "phases": rows, "program_median_ns": ((clk[ran, -1] - clk[ran, 0]) / ghz).median().item(),
+            "phases": rows,
+            "program_median_ns": ((clk[ran, -1] - clk[ran, 0]) / ghz).median().item(),
             "start_spread_ns": start.max().item(),
             "span_ns": (gt[:, n_phases - 1].max() - gt[:, 0].min()).item()}
 
@@ -185,7 +196,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=212)
     p.add_argument("--splits", type=int, default=None, help="default: the engine's for a "
-                   "312-key maximum (bench rollout's)")
+                   "longest context of --context + 100 keys (bench rollout's)")
     p.add_argument("--planes", type=int, default=1)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -237,8 +248,9 @@ def main() -> None:
     same = all(torch.equal(o, r) for o, r in zip(out, ref))
     per_layer = [summarize(b.cpu(), len(PHASES)) for b in timers["bufs"][1:]]  # layer 0: cold
     pick = per_layer[len(per_layer) // 2]
-    print(f"{a.shape} B={a.batch} context {a.context} splits {splits}: "
-          f"{pick['programs']} programs ({pick['programs_timed']} with keys), {torch.cuda.get_device_name()}, SM {pick['sm_ghz']:.2f} GHz")
+    print(f"{a.shape} B={a.batch} context {a.context} splits {splits}: {pick['programs']} "
+          f"programs ({pick['programs_timed']} with keys), {torch.cuda.get_device_name()}, "
+          f"SM {pick['sm_ghz']:.2f} GHz")
     print(f"kernel {us:.2f} us per call (graph of {a.layers}), instrumented {us_inst:.2f}; "
           f"output equal: {same}")
     print(f"one eager call (layer {len(per_layer) // 2 + 1}): span {pick['span_ns'] / 1e3:.2f} us, "
@@ -249,7 +261,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": " ".join(["python", *sys.argv]), "git_revision": _git_revision(),
-                       "settings": a.set, "shape": a.shape, "batch": a.batch, "context": a.context, "splits": splits,
+                       "settings": a.set, "shape": a.shape, "batch": a.batch,
+                       "context": a.context, "splits": splits,
                        "device": torch.cuda.get_device_name(), "us_per_call": us,
                        "us_per_call_instrumented": us_inst, "output_equal": same,
                        "layers": per_layer}, f, indent=1)
