@@ -150,12 +150,6 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
-ROPE_ATTENTION_MAXNREG: int | None = None
-"""Register cap per thread of a _rope_attention_kernel program (Triton's maxnreg); None: the
-compiler's choice (sm_90, 4 warps: 234-236 registers, two programs per SM, so the 320
-programs of the 1.5B shape at batch 32 run in two waves; 168 fits three with 24 bytes
-spilled). Read at each launch, as NORM_WARPS (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:ROPE_ATTENTION_MAXNREG=168)."""
 ATTN_L2_PREFETCH_MB: float = 4
 """Megabytes of weights DecodeModel asks L2 for right after each layer's fused attention
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
@@ -572,8 +566,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
-            if mode == MODE_DECODE else 2),
-        **({"maxnreg": ROPE_ATTENTION_MAXNREG} if ROPE_ATTENTION_MAXNREG else {}), **pdl.kwargs())
+            if mode == MODE_DECODE else 2), **pdl.kwargs())
     if after_launch is not None:
         after_launch()
     if sp and not merge:
