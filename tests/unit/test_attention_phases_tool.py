@@ -6,6 +6,7 @@ with a decode launch's signature recorded under Triton's interpreter.
 
 Skipped without triton (CI installs the CPU torch only)."""
 
+import inspect
 import json
 import os
 import re
@@ -35,7 +36,6 @@ def _generated_source() -> str:
 
 
 def test_instrumented_copy_is_the_kernel_plus_one_tick_per_phase():
-    import inspect
     src = _generated_source()
     ticks = [int(m.group(2)) for line in src.splitlines() if (m := TICK.match(line))]
     assert sorted(ticks) == list(range(len(ap.PHASES)))
