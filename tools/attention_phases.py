@@ -21,7 +21,6 @@ instrumented kernel's output equal to the kernel's (torch.equal).
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import inspect
 import json
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_tlt.bench import SHAPES, _git_revision
+from megatron_tlt.bench import SHAPES, _git_revision, parse_attr
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import gpu_model, triton_attention
 
@@ -84,27 +83,22 @@ def _slot(tm_ptr, PHASE: tl.constexpr):
 
 
 @triton.jit
-def _tick(tm_ptr, PHASE: tl.constexpr, dep):
-    """%clock64 and %globaltimer once the scalar `dep` is ready, into this program's slot
-    PHASE."""
-    d = (tl.zeros([1], tl.int32) + dep).to(tl.int32)
-    clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
-                                        is_pure=False, pack=1)
-    base = _slot(tm_ptr, PHASE) + tl.arange(0, 1)
-    tl.store(base, clk)
-    tl.store(base + 1, gt)
-
-
-@triton.jit
 def _tick_t(tm_ptr, PHASE: tl.constexpr, dep):
-    """As _tick for a tensor `dep`: each thread reads the clocks once its own elements of it
-    are ready and stores them into the one slot (one of the threads' values lands)."""
+    """%clock64 and %globaltimer into this program's slot PHASE once `dep` (a tensor) is
+    ready: each thread reads the clocks once its own elements of it are, and stores them
+    into the one slot (one of the threads' values lands)."""
     d = dep.to(tl.float32).to(tl.int32, bitcast=True)
     clk, gt = tl.inline_asm_elementwise(_ASM, _CONSTRAINTS, [d], dtype=(tl.int64, tl.int64),
                                         is_pure=False, pack=1)
     base = _slot(tm_ptr, PHASE)
     tl.store(base + 0 * clk, clk)
     tl.store(base + 1 + 0 * gt, gt)
+
+
+@triton.jit
+def _tick(tm_ptr, PHASE: tl.constexpr, dep):
+    """_tick_t for a scalar `dep` (as a one-element tensor)."""
+    _tick_t(tm_ptr, PHASE, tl.zeros([1], tl.int32) + dep)
 
 
 def _instrument(fn, phases: list[tuple[int, str | None, str]]) -> str:
@@ -203,11 +197,8 @@ def main() -> None:
                    help="a gpu_model launch knob (a Python literal), e.g. ROPE_ATTENTION_WARPS=4")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    for kv in a.set:
-        name, _, value = kv.partition("=")
-        if not hasattr(gpu_model, name):
-            raise SystemExit(f"attention_phases: gpu_model has no {name}")
-        setattr(gpu_model, name, ast.literal_eval(value))
+    for kv in a.set:  # bench rollout --compare-attr's parser, on gpu_model's names
+        setattr(*parse_attr(f"{gpu_model.__name__}:{kv}"))
     dev = torch.device("cuda")
     arch = ModelArch(**SHAPES[a.shape])
     qkv, pos, slots, cos, sin, bias, caches, meta = case(arch, a.batch, a.context, a.layers, 16,
@@ -223,30 +214,29 @@ def main() -> None:
 
     ref = run()
     us = time_graph(run, 15) / a.layers
-    timers = {}
+    bufs = []  # one timer buffer per launch, in launch order
 
     def timers_for(grid):
-        n = grid[0] * grid[1] * grid[2]
-        buf = torch.zeros(n, SLOTS, 2, dtype=torch.int64, device=dev)
-        timers.setdefault("bufs", []).append(buf)
-        return buf
+        bufs.append(torch.zeros(grid[0] * grid[1] * grid[2], SLOTS, 2, dtype=torch.int64,
+                                device=dev))
+        return bufs[-1]
 
     kernel = instrumented_kernel()
     saved = gpu_model._rope_attention_kernel
     gpu_model._rope_attention_kernel = _Swap(kernel, timers_for)
     try:
         for _ in range(3):  # compile, then warm
-            timers.clear()
+            bufs.clear()
             out = run()
             torch.cuda.synchronize()
         us_inst = time_graph(run, 15) / a.layers
-        timers.clear()
+        bufs.clear()
         out = run()
         torch.cuda.synchronize()
     finally:
         gpu_model._rope_attention_kernel = saved
     same = all(torch.equal(o, r) for o, r in zip(out, ref))
-    per_layer = [summarize(b.cpu(), len(PHASES)) for b in timers["bufs"][1:]]  # layer 0: cold
+    per_layer = [summarize(b.cpu(), len(PHASES)) for b in bufs[1:]]  # layer 0: cold
     pick = per_layer[len(per_layer) // 2]
     print(f"{a.shape} B={a.batch} context {a.context} splits {splits}: {pick['programs']} "
           f"programs ({pick['programs_timed']} with keys), {torch.cuda.get_device_name()}, "
