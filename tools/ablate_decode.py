@@ -1,0 +1,223 @@
+"""What each kernel of the decode step costs inside the CUDA graph: the step timed with one
+kind of kernel left out (or replaced by an empty kernel), side by side with the whole step.
+
+    python tools/ablate_decode.py --shape 1.5b --batch-sizes 1,8,32 [--variants base,norm:none,...]
+        [--rounds 2] [--json FILE]
+
+A kernel's time alone (tools/profile_decode.py) is not what it adds to a step whose
+kernels overlap under programmatic dependent launch (rollout/pdl.py): session 30 made the
+decode attention 1.11x faster alone and the step did not move. Leaving a kernel out of
+the captured graph and timing the step again measures what it adds where it runs. The
+outputs of an ablated step are garbage (tokens are not checked; the graph replays the
+same inputs), so this is a measurement tool only, never a setting of the engine.
+
+Variants (KIND:HOW; HOW = none: no launch, its output an uninitialised buffer of the
+right shape; empty: one launch of a kernel that only takes part in PDL, i.e. the cost of
+a graph node with no work):
+  base           the engine's step as it is
+  norm:none|empty   every RMSNorm launched on its own (not those fused into a projection)
+  attn:none|empty   the fused RoPE + attention launch (and its L2 prefetch and merge)
+  combine:none   the split-merge launch (_combine_kernel) only
+  oproj:none     the attention output projection
+  silu:none      SiLU * up where it is its own launch
+  head:none      the LM head
+  prefetch:none  the L2 weight prefetch after the attention (ATTN_L2_PREFETCH_MB=0)
+Each variant is captured afresh; `--rounds` repeats the whole list, and each ratio is taken
+against the base step of the same round (drift cancels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_tlt.bench import SHAPES, _git_revision, random_weights
+from megatron_tlt.models.arch import ModelArch
+from megatron_tlt.rollout import gpu_model, pdl
+from megatron_tlt.rollout.triton_pdl import pdl_enter
+
+VARIANTS = ("base", "norm:none", "norm:empty", "attn:none", "attn:empty", "combine:none",
+            "oproj:none", "silu:none", "head:none", "prefetch:none")
+
+
+@triton.jit
+def _empty_kernel(x_ptr, USE_PDL: tl.constexpr):
+    """A graph node that does nothing but wait for its predecessor and release its
+    dependents (the PDL part of every decode kernel)."""
+    pdl_enter(USE_PDL)
+
+
+def _empty_launch(ref: torch.Tensor) -> None:
+    _empty_kernel[(1,)](ref, **pdl.kwargs())
+
+
+def _buffer(launch: bool):
+    """A stand-in returning an uninitialised tensor made by `shape_of(*args, **kwargs)`;
+    `launch`: one empty kernel launch first."""
+    def wrap(shape_of):
+        def fake(*args, **kwargs):
+            shape, dtype, dev = shape_of(*args, **kwargs)
+            out = torch.empty(shape, dtype=dtype, device=dev)
+            if launch:
+                _empty_launch(out)
+            return out
+        return fake
+    return wrap
+
+
+def _norm_shape(x, weight, eps, residual=None, bias=None, *, sum_out=None):
+    xp = gpu_model._planes(x)
+    return (xp.shape[1], xp.shape[2]), weight.dtype, xp.device
+
+
+def _attn_shape(qkv, *args, num_heads, head_dim, **kwargs):
+    k_cache = args[5]
+    t = gpu_model._planes(qkv).shape[1]
+    return (t, num_heads, head_dim), k_cache.dtype, qkv.device
+
+
+def _silu_shape(gate_up, dtype=None):
+    gu = gpu_model._planes(gate_up)
+    return (gu.shape[1], gu.shape[2] // 2), dtype or gate_up.dtype, gu.device
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    prev = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, prev)
+
+
+def ablation(variant: str, model) -> contextlib.AbstractContextManager:
+    """The context under which `model` (a DecodeModel) runs `variant` (VARIANTS)."""
+    kind, _, how = variant.partition(":")
+    if variant == "base":
+        return contextlib.nullcontext()
+    if kind == "norm" and how in ("none", "empty"):
+        return _patched(gpu_model, "rms_norm", _buffer(how == "empty")(_norm_shape))
+    if kind == "attn" and how in ("none", "empty"):
+        return _patched(gpu_model, "rope_attention", _buffer(how == "empty")(_attn_shape))
+    if variant == "combine:none":
+        return _patched(gpu_model, "combine_splits", lambda *a, **k: None)
+    if variant == "silu:none":
+        return _patched(gpu_model, "silu_mul", _buffer(False)(_silu_shape))
+    if variant == "prefetch:none":
+        return _patched(gpu_model, "ATTN_L2_PREFETCH_MB", 0)
+    if variant == "head:none":
+        return _patched(gpu_model, "linear_into", lambda x, weight, out, cfg: out)
+    if variant == "oproj:none":
+        o_ptrs = {lw.o_weight.data_ptr() for lw in model.weights.layers}
+        real = model._linear
+
+        def linear(x, weight):
+            if weight.data_ptr() in o_ptrs:
+                return torch.empty(1, x.shape[0], weight.shape[0], dtype=weight.dtype, device=x.device)
+            return real(x, weight)
+        return _patched(model, "_linear", linear)
+    raise ValueError(f"ablate_decode: unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
+
+
+def time_graph(runner, bucket: int, *, steps: int, repeats: int) -> float:
+    """Median ms per replay of the bucket's decode graph (inputs unchanged between replays)."""
+    for _ in range(10):
+        runner.run(bucket)
+    ts = []
+    for _ in range(repeats):
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record()
+        for _ in range(steps):
+            runner.run(bucket)
+        s1.record()
+        s1.synchronize()
+        ts.append(s0.elapsed_time(s1) / steps)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    from megatron_tlt.rollout.engine import RolloutEngine
+    from megatron_tlt.rollout.request import Request
+    from megatron_tlt.rollout.sampling import SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if "base" not in variants:
+        variants.insert(0, "base")
+    batches = sorted({int(b) for b in a.batch_sizes.split(",")})
+    arch = ModelArch(**SHAPES[a.shape])
+    w = random_weights(arch, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    page = 16
+    top = batches[-1]
+    engine = RolloutEngine(arch, w, max_num_seqs=top, num_blocks=top * (a.context // page + 4),
+                           block_size=page, dtype=torch.bfloat16, device="cuda",
+                           max_model_len=a.context + 32, attention_backend="triton",
+                           cuda_graphs=True, cuda_graph_batch_sizes=batches)
+    runner = engine.decode_runner
+    model = runner.model
+    for v in variants:  # unknown names fail before any timing
+        ablation(v, model)
+    g = torch.Generator().manual_seed(1)
+    n = a.context - 8
+    reqs = [Request(prompt_id=str(i),
+                    prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
+                    sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4, min_new_tokens=4))
+            for i in range(top)]
+    seqs = [engine.add_sequence(r) for r in reqs]
+    engine.sample_and_append(seqs, engine.forward_pending(seqs).logits)
+    for s in seqs:
+        engine.cache.ensure(s.seq_id, len(s.token_ids) + 1)
+    ms: dict[int, dict[str, list[float]]] = {b: {v: [] for v in variants} for b in batches}
+    for r in range(a.rounds):
+        for v in variants:
+            with ablation(v, model):
+                runner.capture()
+            for b in batches:
+                bucket = runner.prepare(seqs[:b])
+                ms[b][v].append(time_graph(runner, bucket, steps=a.steps, repeats=a.repeats))
+            print(f"round {r} {v}: " + "  ".join(f"B={b} {ms[b][v][-1]:.4f}" for b in batches),
+                  flush=True)
+    runner.release()
+    rows = []
+    for b in batches:
+        base = ms[b]["base"]
+        print(f"\n{a.shape} B={b}: base {statistics.median(base):.4f} ms/step "
+              f"(context {a.context}, {arch.num_layers} layers)")
+        for v in variants:
+            ratios = [t / t0 for t, t0 in zip(ms[b][v], base)]
+            d_us = [(t0 - t) * 1e3 for t, t0 in zip(ms[b][v], base)]
+            row = dict(batch=b, variant=v, ms=ms[b][v], ratio_to_base=ratios,
+                       saved_us_per_step=d_us,
+                       saved_us_per_layer=[d / arch.num_layers for d in d_us])
+            rows.append(row)
+            print(f"  {v:14s} {statistics.median(ms[b][v]):.4f} ms  x{statistics.median(ratios):.4f} "
+                  f"of base  saves {statistics.median(d_us):7.1f} us/step "
+                  f"({statistics.median(d_us) / arch.num_layers:5.2f} us/layer)  rounds {['%.4f' % x for x in ms[b][v]]}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": shlex.join(["python", *sys.argv]), "git_revision": _git_revision(),
+                       "device": torch.cuda.get_device_name(), "shape": a.shape,
+                       "context": a.context, "layers": arch.num_layers, "rows": rows,
+                       "num_splits": {str(k): v for k, v in runner.num_splits.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
