@@ -69,6 +69,10 @@
 #   phases    session 30's tools/attention_phases.py: the fused decode attention's time by
 #             phase (clock reads in a copy of the kernel), PHASES_SHAPES (default
 #             "1.5b:1 7b:32", SHAPE:BATCH each; random weights, no target needed)
+#   ablate    session 31's tools/ablate_decode.py: the decode step in its graph with one
+#             kind of kernel left out or emptied, side by side with the whole step;
+#             ABLATE_SHAPES (default "1.5b:1,8,32 7b:1,32", SHAPE:BATCHES each), ABLATE_VARIANTS
+#             (default the tool's list); random weights, no target needed
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -340,12 +344,18 @@ case "$STAGE" in
       timeout "$(upto 5)" $PY tools/attention_phases.py --shape "${sb%%:*}" --batch "${sb##*:}" \
           --json "$RESULTS/attention_phases_${sb%%:*}_b${sb##*:}.json" 2>&1 | tail -n 19
     done ;;
+  ablate)
+    for sb in ${ABLATE_SHAPES:-1.5b:1,8,32 7b:1,32}; do
+      timeout "$(upto 5)" $PY tools/ablate_decode.py --shape "${sb%%:*}" --batch-sizes "${sb##*:}" \
+          ${ABLATE_VARIANTS:+--variants "$ABLATE_VARIANTS"} \
+          --json "$RESULTS/ablate_${sb%%:*}.json" 2>&1 | grep -v Warn | tee "$RESULTS/ablate_${sb%%:*}.log" | tail -n 40
+    done ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate gputests)" ;;
 esac
 exit 0
