@@ -77,3 +77,34 @@ def make_engine(model_dir: str, **kw) -> RolloutEngine:
 def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def tiny_decode(block_tables: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
+                *, num_blocks: int, num_splits: int = 2):
+    """A two-layer Qwen2-shaped DecodeModel (hidden 64, 6 / 2 heads of 16, QKV bias; the
+    fused RoPE attention unless MEGATRON_TLT_FUSED_ROPE=0 is set before the call), its
+    weights, and run(): one decode forward of the batch (block size 4) over a fresh cache
+    of random keys/values (seeded per layer, so every run sees the same cache)."""
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout import EngineWeights
+    from megatron_tlt.rollout.gpu_model import DecodeModel
+    from megatron_tlt.rollout.kv_cache import PagedKVCache
+    from megatron_tlt.rollout.model import rope_table
+    arch = ModelArch(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=True)
+    w = EngineWeights.make_dummy(arch, seed=3)
+    cos, sin = rope_table(64, 16, 10000.0)
+    model = DecodeModel(arch, w, cos, sin)
+    slots = torch.stack([block_tables[b, p // 4] * 4 + p % 4 for b, p in enumerate(positions.tolist())])
+
+    def run():
+        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=num_blocks,
+                             block_size=4)
+        for layer in range(2):
+            g = torch.Generator().manual_seed(layer)
+            cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+            cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+        return model.forward(token_ids, positions, slots, block_tables, positions + 1, cache,
+                             num_splits=num_splits)
+    return model, w, run

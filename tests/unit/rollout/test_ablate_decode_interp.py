@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_testutil import triton_interpreter  # noqa: E402
+from rollout_testutil import tiny_decode, triton_interpreter  # noqa: E402
 
 pytestmark = triton_interpreter()
 
@@ -20,35 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 
 import ablate_decode as ab  # noqa: E402
 
-from megatron_tlt.models.arch import ModelArch  # noqa: E402
-from megatron_tlt.rollout import EngineWeights  # noqa: E402
-from megatron_tlt.rollout.gpu_model import FUSED_ROPE_ENV, DecodeModel  # noqa: E402
-from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
-from megatron_tlt.rollout.model import rope_table  # noqa: E402
+from megatron_tlt.rollout.gpu_model import FUSED_ROPE_ENV  # noqa: E402
 
 
 def test_each_ablation_changes_the_step_and_is_undone(monkeypatch):
     monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    arch = ModelArch(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
-                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
-                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=True)
-    w = EngineWeights.make_dummy(arch, seed=3)
-    cos, sin = rope_table(64, 16, 10000.0)
-    model = DecodeModel(arch, w, cos, sin)
+    # two splits of 32-key tiles: sequence 1's 51 keys fill both, so the merge launch runs
     bt = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:32].view(2, 16).to(torch.int32)
-    pos = torch.tensor([5, 50], dtype=torch.int32)
-    slots = torch.stack([bt[b, p // 4] * 4 + p % 4 for b, p in enumerate(pos.tolist())])
-    ids = torch.tensor([3, 250], dtype=torch.int32)
-
-    def run():
-        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=40, block_size=4)
-        for layer in range(2):
-            g = torch.Generator().manual_seed(layer)
-            cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
-            cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        # two splits of 32-key tiles: sequence 1's 51 keys fill both, so the merge launch runs
-        return model.forward(ids, pos, slots, bt, pos + 1, cache, num_splits=2)
-
+    model, _, run = tiny_decode(bt, torch.tensor([5, 50], dtype=torch.int32),
+                                torch.tensor([3, 250], dtype=torch.int32), num_blocks=40)
     ref = run()
     # prefetch:none has nothing to remove on a CPU (no PDL, no prefetch): not listed
     changed = [v for v in ab.VARIANTS if v != "prefetch:none"]

@@ -11,7 +11,7 @@ CUDA machines, like every interpreter test.
 import pytest
 import torch
 
-from rollout_testutil import scattered_blocks, triton_interpreter  # noqa: E402
+from rollout_testutil import scattered_blocks, tiny_decode, triton_interpreter  # noqa: E402
 
 pytestmark = triton_interpreter()
 
@@ -307,25 +307,10 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, monkeypatch):
     without it. Without PDL nothing is asked for (negative control: a prefetch kernel would
     only run serialised between the attention and the merge)."""
     from megatron_tlt.rollout import gpu_model, pdl
-    arch = ModelArch(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
-                     num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
-                     max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=True)
-    w = EngineWeights.make_dummy(arch, seed=3)
-    cos, sin = rope_table(64, 16, 10000.0)
     monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    model = DecodeModel(arch, w, cos, sin)
     bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
-    pos = torch.tensor([5, 12], dtype=torch.int32)
-    slots = torch.stack([bt[b, p // 4] * 4 + p % 4 for b, p in enumerate(pos.tolist())])
-    ids = torch.tensor([3, 250], dtype=torch.int32)
-
-    def run():
-        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=12, block_size=4)
-        for layer in range(2):
-            g = torch.Generator().manual_seed(layer)
-            cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
-            cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
-        return model.forward(ids, pos, slots, bt, pos + 1, cache, num_splits=2)
+    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
+                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
     ref = run()
     events = []
     real_combine = gpu_model.combine_splits
