@@ -22,6 +22,9 @@ a graph node with no work):
   silu:none      SiLU * up where it is its own launch
   head:none      the LM head
   prefetch:none  the L2 weight prefetch after the attention (ATTN_L2_PREFETCH_MB=0)
+  all:empty      every Triton or cuBLAS launch of the forward (norms, projections, fused
+                 prologue projections, attention, SiLU, LM head) an empty kernel: the floor
+                 of a chain of that many dependent launches with no work
 Each variant is captured afresh; `--rounds` repeats the whole list, and each ratio is taken
 against the base step of the same round (drift cancels).
 """
@@ -45,7 +48,7 @@ from megatron_tlt.rollout import gpu_model, pdl
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 
 VARIANTS = ("base", "norm:none", "norm:empty", "attn:none", "attn:empty", "combine:none",
-            "oproj:none", "silu:none", "head:none", "prefetch:none")
+            "oproj:none", "silu:none", "head:none", "prefetch:none", "all:empty")
 
 
 @triton.jit
@@ -78,10 +81,35 @@ def _norm_shape(x, weight, eps, residual=None, bias=None, *, sum_out=None):
     return (xp.shape[1], xp.shape[2]), weight.dtype, xp.device
 
 
+def _paged_shape(q, *args, **kwargs):
+    return tuple(q.shape), q.dtype, q.device
+
+
 def _attn_shape(qkv, *args, num_heads, head_dim, **kwargs):
-    k_cache = args[5]
+    """rope_attention's and qkv_rope_write_kv's output: [T, H, D] in the cache's dtype
+    (args: positions, slot_mapping, cos, sin, k_cache, ...)."""
     t = gpu_model._planes(qkv).shape[1]
-    return (t, num_heads, head_dim), k_cache.dtype, qkv.device
+    return (t, num_heads, head_dim), args[4].dtype, qkv.device
+
+
+def _linear_shape(x, weight, cfg):
+    return (1, x.shape[0], weight.shape[0]), torch.float32, x.device
+
+
+def _fused_norm_linear(planes, residual, norm_weight, eps, weight, cfg, bias=None):
+    out = _buffer(True)(lambda: ((1, residual.shape[0], weight.shape[0]), torch.float32,
+                                 residual.device))()
+    return out, residual
+
+
+def _fused_silu_linear(gate_up, weight, cfg):
+    return _buffer(True)(lambda: ((1, gate_up.shape[1], weight.shape[0]), torch.float32,
+                                  gate_up.device))()
+
+
+def _empty_head(x, weight, out, cfg):
+    _empty_launch(out)
+    return out
 
 
 def _silu_shape(gate_up, dtype=None):
@@ -104,6 +132,19 @@ def ablation(variant: str, model) -> contextlib.AbstractContextManager:
     kind, _, how = variant.partition(":")
     if variant == "base":
         return contextlib.nullcontext()
+    if variant == "all:empty":
+        stack = contextlib.ExitStack()
+        for name, value in (("rms_norm", _buffer(True)(_norm_shape)),
+                            ("rope_attention", _buffer(True)(_attn_shape)),
+                            ("silu_mul", _buffer(True)(_silu_shape)),
+                            ("linear_partials", _buffer(True)(_linear_shape)),
+                            ("norm_linear_partials", _fused_norm_linear),
+                            ("silu_linear_partials", _fused_silu_linear),
+                            ("linear_into", _empty_head),
+                            ("paged_attention", _buffer(True)(_paged_shape)),
+                            ("qkv_rope_write_kv", _buffer(True)(_attn_shape))):
+            stack.enter_context(_patched(gpu_model, name, value))
+        return stack
     if kind == "norm" and how in ("none", "empty"):
         return _patched(gpu_model, "rms_norm", _buffer(how == "empty")(_norm_shape))
     if kind == "attn" and how in ("none", "empty"):
