@@ -42,3 +42,22 @@ def test_each_ablation_changes_the_step_and_is_undone(monkeypatch):
             assert not torch.equal(out, ref), f"{v} left the step unchanged"
     with pytest.raises(ValueError, match="unknown variant"):
         ab.ablation("norm:half", model)
+
+
+def test_stand_in_projection_feeds_the_same_planes(monkeypatch):
+    """oproj:none's stand-in hands the next RMSNorm planes of the shape and dtype the real
+    projection's (so the consumer and its plan key are those of the real step)."""
+    from megatron_tlt.rollout import gpu_model
+    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
+    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
+    model, _, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
+                                torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
+    seen = []
+    real = gpu_model.rms_norm
+    monkeypatch.setattr(gpu_model, "rms_norm", lambda x, *a, **k: seen.append(
+        (tuple(x.shape), x.dtype)) or real(x, *a, **k))
+    run()
+    base, seen[:] = list(seen), []
+    with ab.ablation("oproj:none", model):
+        run()
+    assert seen == base and len(base) == 5  # layer 0's input norm, 2 x post-attn, 1 input, final
