@@ -23,8 +23,9 @@ a graph node with no work):
   head:none      the LM head
   prefetch:none  the L2 weight prefetch after the attention (ATTN_L2_PREFETCH_MB=0)
   all:empty      every Triton or cuBLAS launch of the forward (norms, projections, fused
-                 prologue projections, attention, SiLU, LM head) an empty kernel: the floor
-                 of a chain of that many dependent launches with no work
+                 prologue projections, attention, SiLU, LM head; the embedding gather
+                 stays) an empty kernel: the floor of a chain of that many dependent
+                 launches with no work
 Each variant is captured afresh; `--rounds` repeats the whole list, and each ratio is taken
 against the base step of the same round (drift cancels).
 """
