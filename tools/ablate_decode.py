@@ -38,12 +38,13 @@ import json
 import shlex
 import statistics
 import sys
+from unittest.mock import patch
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_tlt.bench import SHAPES, _git_revision, random_weights
+from megatron_tlt.bench import SHAPES, _git_revision
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import gpu_model, pdl
 from megatron_tlt.rollout.triton_pdl import pdl_enter
@@ -63,18 +64,16 @@ def _empty_launch(ref: torch.Tensor) -> None:
     _empty_kernel[(1,)](ref, **pdl.kwargs())
 
 
-def _buffer(launch: bool):
-    """A stand-in returning an uninitialised tensor made by `shape_of(*args, **kwargs)`;
-    `launch`: one empty kernel launch first."""
-    def wrap(shape_of):
-        def fake(*args, **kwargs):
-            shape, dtype, dev = shape_of(*args, **kwargs)
-            out = torch.empty(shape, dtype=dtype, device=dev)
-            if launch:
-                _empty_launch(out)
-            return out
-        return fake
-    return wrap
+def _stand_in(shape_of, launch: bool):
+    """A replacement returning an uninitialised tensor of `shape_of(*args, **kwargs)`
+    (shape, dtype, device); `launch`: one empty kernel launch first."""
+    def fake(*args, **kwargs):
+        shape, dtype, dev = shape_of(*args, **kwargs)
+        out = torch.empty(shape, dtype=dtype, device=dev)
+        if launch:
+            _empty_launch(out)
+        return out
+    return fake
 
 
 def _norm_shape(x, weight, eps, residual=None, bias=None, *, sum_out=None):
@@ -102,11 +101,11 @@ def _linear_shape(x, weight, cfg):
 
 
 def _fused_norm_linear(planes, residual, norm_weight, eps, weight, cfg, bias=None):
-    return _buffer(True)(_linear_shape)(residual, weight, cfg), residual
+    return _stand_in(_linear_shape, True)(residual, weight, cfg), residual
 
 
 def _fused_silu_linear(gate_up, weight, cfg):
-    return _buffer(True)(_linear_shape)(gate_up[0], weight, cfg)
+    return _stand_in(_linear_shape, True)(gate_up[0], weight, cfg)
 
 
 def _empty_head(x, weight, out, cfg):
@@ -119,16 +118,6 @@ def _silu_shape(gate_up, dtype=None):
     return (gu.shape[1], gu.shape[2] // 2), dtype or gate_up.dtype, gu.device
 
 
-@contextlib.contextmanager
-def _patched(obj, name, value):
-    prev = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, prev)
-
-
 def ablation(variant: str, model) -> contextlib.AbstractContextManager:
     """The context under which `model` (a DecodeModel) runs `variant` (VARIANTS)."""
     kind, _, how = variant.partition(":")
@@ -136,61 +125,43 @@ def ablation(variant: str, model) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     if variant == "all:empty":
         stack = contextlib.ExitStack()
-        for name, value in (("rms_norm", _buffer(True)(_norm_shape)),
-                            ("rope_attention", _buffer(True)(_attn_shape)),
-                            ("silu_mul", _buffer(True)(_silu_shape)),
-                            ("linear_partials", _buffer(True)(_linear_shape)),
+        for name, value in (("rms_norm", _stand_in(_norm_shape, True)),
+                            ("rope_attention", _stand_in(_attn_shape, True)),
+                            ("silu_mul", _stand_in(_silu_shape, True)),
+                            ("linear_partials", _stand_in(_linear_shape, True)),
                             ("norm_linear_partials", _fused_norm_linear),
                             ("silu_linear_partials", _fused_silu_linear),
                             ("linear_into", _empty_head),
-                            ("paged_attention", _buffer(True)(_paged_shape)),
-                            ("qkv_rope_write_kv", _buffer(True)(_attn_shape))):
-            stack.enter_context(_patched(gpu_model, name, value))
+                            ("paged_attention", _stand_in(_paged_shape, True)),
+                            ("qkv_rope_write_kv", _stand_in(_attn_shape, True))):
+            stack.enter_context(patch.object(gpu_model, name, value))
         return stack
     if kind == "norm" and how in ("none", "empty"):
-        return _patched(gpu_model, "rms_norm", _buffer(how == "empty")(_norm_shape))
+        return patch.object(gpu_model, "rms_norm", _stand_in(_norm_shape, how == "empty"))
     if kind == "attn" and how in ("none", "empty"):
-        return _patched(gpu_model, "rope_attention", _buffer(how == "empty")(_attn_shape))
+        return patch.object(gpu_model, "rope_attention", _stand_in(_attn_shape, how == "empty"))
     if variant == "combine:none":
-        return _patched(gpu_model, "combine_splits", lambda *a, **k: None)
+        return patch.object(gpu_model, "combine_splits", lambda *a, **k: None)
     if variant == "silu:none":
-        return _patched(gpu_model, "silu_mul", _buffer(False)(_silu_shape))
+        return patch.object(gpu_model, "silu_mul", _stand_in(_silu_shape, False))
     if variant == "prefetch:none":
-        return _patched(gpu_model, "ATTN_L2_PREFETCH_MB", 0)
+        return patch.object(gpu_model, "ATTN_L2_PREFETCH_MB", 0)
     if variant == "head:none":
-        return _patched(gpu_model, "linear_into", lambda x, weight, out, cfg: out)
+        return patch.object(gpu_model, "linear_into", lambda x, weight, out, cfg: out)
     if variant == "oproj:none":
         o_ptrs = {lw.o_weight.data_ptr() for lw in model.weights.layers}
         real = model._linear
 
         def linear(x, weight):
             if weight.data_ptr() in o_ptrs:
-                return _buffer(False)(_linear_shape)(x, weight, model.planner.config(x, weight))
+                return _stand_in(_linear_shape, False)(x, weight, model.planner.config(x, weight))
             return real(x, weight)
-        return _patched(model, "_linear", linear)
+        return patch.object(model, "_linear", linear)
     raise ValueError(f"ablate_decode: unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
 
 
-def time_graph(runner, bucket: int, *, steps: int, repeats: int) -> float:
-    """Median ms per replay of the bucket's decode graph (inputs unchanged between replays)."""
-    for _ in range(10):
-        runner.run(bucket)
-    ts = []
-    for _ in range(repeats):
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record()
-        for _ in range(steps):
-            runner.run(bucket)
-        s1.record()
-        s1.synchronize()
-        ts.append(s0.elapsed_time(s1) / steps)
-    return statistics.median(ts)
-
-
 def main() -> None:
-    from megatron_tlt.rollout.engine import RolloutEngine
-    from megatron_tlt.rollout.request import Request
-    from megatron_tlt.rollout.sampling import SamplingParams
+    from profile_decode import decode_engine, replay_ms  # tools/, beside this file
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
@@ -207,27 +178,11 @@ def main() -> None:
     variants = ["base"] + [v for v in (x.strip() for x in a.variants.split(",")) if v and v != "base"]
     batches = sorted({int(b) for b in a.batch_sizes.split(",")})
     arch = ModelArch(**SHAPES[a.shape])
-    w = random_weights(arch, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
-    page = 16
-    top = batches[-1]
-    engine = RolloutEngine(arch, w, max_num_seqs=top, num_blocks=top * (a.context // page + 4),
-                           block_size=page, dtype=torch.bfloat16, device="cuda",
-                           max_model_len=a.context + 32, attention_backend="triton",
-                           cuda_graphs=True, cuda_graph_batch_sizes=batches)
+    engine, seqs = decode_engine(arch, batches, a.context)
     runner = engine.decode_runner
     model = runner.model
     for v in variants:  # unknown names fail before any timing
         ablation(v, model)
-    g = torch.Generator().manual_seed(1)
-    n = a.context - 8
-    reqs = [Request(prompt_id=str(i),
-                    prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
-                    sampling_params=SamplingParams(temperature=0.0, max_new_tokens=4, min_new_tokens=4))
-            for i in range(top)]
-    seqs = [engine.add_sequence(r) for r in reqs]
-    engine.sample_and_append(seqs, engine.forward_pending(seqs).logits)
-    for s in seqs:
-        engine.cache.ensure(s.seq_id, len(s.token_ids) + 1)
     ms: dict[int, dict[str, list[float]]] = {b: {v: [] for v in variants} for b in batches}
     for r in range(a.rounds):
         for v in variants:
@@ -235,7 +190,7 @@ def main() -> None:
                 runner.capture()
             for b in batches:
                 bucket = runner.prepare(seqs[:b])
-                ms[b][v].append(time_graph(runner, bucket, steps=a.steps, repeats=a.repeats))
+                ms[b][v].append(replay_ms(runner, bucket, steps=a.steps, repeats=a.repeats, warmup=10))
             print(f"round {r} {v}: " + "  ".join(f"B={b} {ms[b][v][-1]:.4f}" for b in batches),
                   flush=True)
     runner.release()
