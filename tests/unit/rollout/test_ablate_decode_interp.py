@@ -1,6 +1,7 @@
 """tools/ablate_decode.py without a GPU: each ablation takes effect on DecodeModel's
 forward (the logits change: what it leaves out was on the step's path) and leaves the model
-as it found it (the next base forward equals the first, bit for bit); the base variant
+as it found it (the next base forward equals the first, bit for bit) and does nothing
+before its context is entered (session 32: all:empty did, at the name check); the base variant
 changes nothing (negative control: a forward under `base` equals the reference); an unknown
 variant raises. The timing itself needs CUDA graphs (GPU only).
 
@@ -30,6 +31,9 @@ def test_each_ablation_changes_the_step_and_is_undone(monkeypatch):
     model, _, run = tiny_decode(bt, torch.tensor([5, 50], dtype=torch.int32),
                                 torch.tensor([3, 250], dtype=torch.int32), num_blocks=40)
     ref = run()
+    for v in ab.VARIANTS:  # ablation() alone (the tool checks names so) patches nothing
+        ab.ablation(v, model)
+    assert torch.equal(run(), ref), "a variant took effect before its context was entered"
     # prefetch:none has nothing to remove on a CPU (no PDL, no prefetch): not listed
     changed = [v for v in ab.VARIANTS if v != "prefetch:none"]
     for v in changed:
