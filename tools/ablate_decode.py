@@ -23,7 +23,7 @@ a graph node with no work):
   head:none      the LM head
   prefetch:none  the L2 weight prefetch after the attention (ATTN_L2_PREFETCH_MB=0)
   all:empty      every Triton or cuBLAS launch of the forward (norms, projections, fused
-                 prologue projections, attention, SiLU, LM head; the embedding gather
+                 prologue projections, GLU-epilogue projections, attention, SiLU, LM head; the embedding gather
                  stays) an empty kernel: the floor of a chain of that many dependent
                  launches with no work
 Each variant is captured afresh; `--rounds` repeats the whole list, and each ratio is taken
@@ -127,6 +127,7 @@ def _all_empty():
         for name, value in (("rms_norm", _stand_in(_norm_shape, True)),
                             ("rope_attention", _stand_in(_attn_shape, True)),
                             ("silu_mul", _stand_in(_silu_shape, True)),
+                            ("glu_linear", _stand_in(_glu_shape, True)),
                             ("linear_partials", _stand_in(_linear_shape, True)),
                             ("norm_linear_partials", _fused_norm_linear),
                             ("silu_linear_partials", _fused_silu_linear),
@@ -135,6 +136,10 @@ def _all_empty():
                             ("qkv_rope_write_kv", _stand_in(_attn_shape, True))):
             stack.enter_context(patch.object(gpu_model, name, value))
         yield
+
+
+def _glu_shape(x, weight, cfg):
+    return (x.shape[0], weight.shape[0] // 2), weight.dtype, x.device
 
 
 def ablation(variant: str, model) -> contextlib.AbstractContextManager:

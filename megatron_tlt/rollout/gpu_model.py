@@ -50,8 +50,9 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    block_n_for, decode_stages, attention_warps,
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
-from megatron_tlt.rollout.triton_linear import (LinearPlanner, linear_into, linear_partials,
-                                                norm_linear_partials, silu_linear_partials)
+from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
+                                                linear_partials, norm_linear_partials,
+                                                silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -741,9 +742,14 @@ class DecodeModel:
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
-            gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
-                                                  lw.gate_up_weight, bias=lw.o_bias)
-            h = silu_linear(plan, gate_up, lw.down_weight, residual.dtype)
+            glu = plan.glu_config(residual, lw.gate_up_weight)
+            if glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
+                y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
+                h = self._linear(glu_linear(y, lw.gate_up_weight, glu), lw.down_weight)
+            else:
+                gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
+                                                      lw.gate_up_weight, bias=lw.o_bias)
+                h = silu_linear(plan, gate_up, lw.down_weight, residual.dtype)
         y = rms_norm(h, w.final_norm, eps, residual=residual)
         if hidden_out is not None:
             hidden_out["final"], hidden_out["pre_norm"] = y, residual

@@ -157,7 +157,10 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0):
+                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0, GLU: tl.constexpr = False):
+    # GLU: the weight is [2N, K] (gate rows, then up rows); each program also reads the up
+    # rows of its gate rows and stores SiLU(gate) * up in the model dtype (no split-K,
+    # no preload): gpu_model.silu_mul's roundings of this config's one-plane product.
     # Row tiles vary fastest: the programs that share a weight slab run side by side, so
     # with several row tiles (a verify step's B x Q rows) the slab is read from HBM once
     # and from L2 after (with one row tile the launch order is the (n, split) order).
@@ -169,6 +172,8 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
     k_hi = tl.minimum(k_lo + k_split, K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if GLU:
+        u_rows = w_ptr + (rn + N).to(tl.int64)[:, None] * stride_wn
     if PREFETCH:  # only with USE_PDL, and only here: before the wait (rollout/pdl.py)
         _prefetch_slab(w_ptr, rn, N, stride_wn, k_lo, k_hi, LINE)
     # The first PRE_T weight tiles into registers before the wait (rollout/pdl.py: weights
@@ -198,6 +203,8 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # products, reduced once at the end
+    if GLU:
+        acc_u = tl.zeros_like(acc)
     if PRE_T >= 1:
         if k_lo < k_hi:  # a split may hold fewer tiles (or none): the loop's steps exactly
             acc = _k_step(acc, w0, k_lo, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
@@ -223,8 +230,20 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
                       nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT,
                       S_IN, PRO, HAS_BIAS)
+        if GLU:
+            wu = _w_tile(u_rows, n_ok, k0, k_hi, BLOCK_K)
+            acc_u = _k_step(acc_u, wu, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
+                            r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr,
+                            pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
     if not DOT:
         acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
+        if GLU:
+            acc_u = tl.sum(acc_u, 1)[None, :]
+    if GLU:  # each product rounded as the projection's output, then silu_mul's roundings
+        DT = w_ptr.dtype.element_ty
+        g = acc.to(DT).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+        acc = a * acc_u.to(DT).to(tl.float32)
     if ROUND:  # the model dtype's rounding of the product, stored in a wider output
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     out = out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :]
@@ -261,9 +280,10 @@ def linear_into(x: torch.Tensor,  # [M, K]
 
 def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None = None,
             pro: int = 0, planes=None, bias=None, residual=None, residual_out=None,
-            norm_weight=None, eps: float = 0.0) -> None:
+            norm_weight=None, eps: float = 0.0, glu: bool = False) -> None:
     """x [M, K] (pro 0), or the prologue's inputs: `planes` [S, M, *] with pro 1 (SiLU *
-    mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes)."""
+    mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes).
+    glu: the kernel's GLU epilogue (one split; out [1, M, N / 2] in the model dtype)."""
     if pro == 0:
         m, k = x.shape
         if x.stride(-1) != 1:
@@ -274,7 +294,10 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
         if planes.stride(-1) != 1:
             raise ValueError("triton linear: the prologue's planes must be contiguous in the last dimension")
         src, stride_xs, stride_xm = planes, planes.stride(0), planes.stride(1)
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    if glu and (cfg.splits != 1 or weight.shape[0] % 2):
+        raise ValueError(f"triton linear: the GLU epilogue takes one split and an even number "
+                         f"of weight rows, got {cfg.splits} splits, weight {tuple(weight.shape)}")
     if weight.stride(-1) != 1:
         raise ValueError("triton linear: the weight must be contiguous in the last dimension")
     if weight.shape[1] != k:
@@ -294,9 +317,10 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          res.stride(0) if residual is not None else 0, float(eps),
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
-                         PREFETCH=weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
+                         PREFETCH=not glu and weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
                          LINE=max(1, 128 // weight.element_size()),
-                         PRE_T=preload_tiles(cfg, k_split, weight.element_size()),
+                         PRE_T=0 if glu else preload_tiles(cfg, k_split, weight.element_size()),
+                         GLU=glu,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
 
 
@@ -307,6 +331,18 @@ def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
     if limit <= 0:
         return 0
     return max(0, min(4, -(-k_split // cfg.block_k), limit // (cfg.block_n * cfg.block_k * elt)))
+
+
+def glu_linear(x: torch.Tensor,  # [M, K], last dim contiguous
+               weight: torch.Tensor,  # [2 I, K]: gate rows, then up rows
+               cfg: LinearConfig,  # a Triton config of one split
+               ) -> torch.Tensor:  # [M, I] in the weight's dtype
+    """SiLU(x @ gate.T) * (x @ up.T) in one launch (the projection's GLU epilogue): bit for
+    bit gpu_model.silu_mul(linear_partials(x, weight, cfg)), one kernel fewer."""
+    m, k = x.shape
+    out = torch.empty(1, m, weight.shape[0] // 2, dtype=weight.dtype, device=x.device)
+    _launch(x, weight, out, cfg, round_out=False, k=k, glu=True)
+    return out[0]
 
 
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)
@@ -354,6 +390,14 @@ _FUSED_ROWS = int(os.environ.get("MEGATRON_TLT_FUSED_ROWS", "8"))
 the limit before session 19): a speculative verify at batch 1 has Q = 5-8 rows, and
 whether re-reading them in every program beats a separate launch is the timing's call."""
 
+
+_GLU = int(os.environ.get("MEGATRON_TLT_GLU", "0"))
+"""The gate/up projection's GLU epilogue (glu_linear: SiLU * up stored by the projection,
+no silu_mul launch): 0 off (default), 1 where the planner times it faster than the
+projection's plan + silu_mul, 2 wherever a one-split Triton config runs (its fastest).
+Read at import; bench rollout --compare-attr megatron_tlt.rollout.triton_linear:_GLU=N.
+Session 32's ablation (tools/ablate_decode.py, H100): leaving silu_mul out of the 7B
+batch-32 graph saved 12.7 us a layer against its 2.3 us alone."""
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
@@ -469,6 +513,46 @@ class LinearPlanner(PlanCache):
             key += (_ROW_LOCAL,)
         return self._choose(self.fused, key, lambda: self._tune_fused(
             kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
+
+    def glu_config(self, x: torch.Tensor,  # [M, K]: the projection's input (its rows)
+                   weight: torch.Tensor,  # [2 I, K] gate rows, then up rows
+                   ) -> LinearConfig | None:
+        """The one-split config to run this gate/up projection with its GLU epilogue
+        (glu_linear), or None for the projection's plan + silu_mul (_GLU says when)."""
+        if _GLU <= 0:
+            return None
+        if self.fixed is not None:  # tests: the fixed config, where it can take the epilogue
+            one = self.fixed.kind != "cublas" and self.fixed.splits == 1
+            return self.fixed if one else None
+        if x.device.type != "cuda":
+            return None
+        m = max(x.shape[0], 1)
+        if m > _MAX_TRITON_ROWS:
+            return None
+        m = _row_bucket(m)
+        key = ("glu" if _GLU == 1 else "glu-any", m, weight.shape[0], weight.shape[1], 1, weight.dtype)
+        return self._choose(self.fused, key, lambda: self._tune_glu(x, weight, m))[0]
+
+    def _tune_glu(self, x, weight, m):
+        from megatron_tlt.rollout.gpu_model import silu_mul
+        n2, k = weight.shape
+        dt = weight.dtype
+        xs = torch.randn(m, k, dtype=dt, device=x.device)
+        cfg, proj_us = self._plan(xs, weight, m, True, False)  # the unfused projection's plan
+        planes = linear_partials(xs, weight, cfg)
+        unfused = _time_us(lambda i: silu_mul(planes, dtype=dt), self.iters) + proj_us
+        ws = _weight_copies(weight)
+        best, best_us = None, (unfused if _GLU == 1 else float("inf"))
+        for cfg in candidate_configs(m, n2 // 2, k):
+            if cfg.kind == "cublas" or cfg.splits != 1:
+                continue
+            try:
+                us = _time_us(lambda i: glu_linear(xs, ws[i % len(ws)], cfg), self.iters)  # noqa: B023
+            except Exception:  # a config that does not compile on this device
+                continue
+            if us < best_us:
+                best, best_us = cfg, us
+        return best, best_us, unfused
 
     def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul

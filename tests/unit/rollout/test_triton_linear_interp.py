@@ -17,8 +17,8 @@ from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import InferenceModel, rope_table  # noqa: E402
 from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
 from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, candidate_configs,  # noqa: E402
-                                                linear_into, linear_partials, norm_linear_partials,
-                                                silu_linear_partials)
+                                                glu_linear, linear_into, linear_partials,
+                                                norm_linear_partials, silu_linear_partials)
 from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
 
 CONFIGS = [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=1),
@@ -148,6 +148,64 @@ def test_fused_prologues_equal_the_separate_kernels(cfg):
     torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
     # negative control: without the bias the product differs
     assert (norm_linear_partials(h, res, nw, 1e-6, wq, cfg)[0] - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("m,cfg", [(1, CONFIGS[0]), (3, CONFIGS[0]), (17, CONFIGS[0]),
+                                   (1, CONFIGS[4]),
+                                   (5, LinearConfig("dot", block_m=16, block_n=32, block_k=64))], ids=str)
+def test_glu_epilogue_equals_the_projection_then_silu_mul(m, cfg):
+    """glu_linear (SiLU(gate) * up stored by the gate/up projection) == the same one-split
+    projection's plane then silu_mul, bit for bit (I = 35: a partial last column tile; K =
+    130: a partial last K tile); the negative control swaps the gate and up rows."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(m, 130, generator=g)
+    w = torch.randn(70, 130, generator=g)
+    out = glu_linear(x, w, cfg)
+    assert out.shape == (m, 35) and out.dtype == w.dtype
+    assert torch.equal(out, silu_mul(linear_partials(x, w, cfg)))
+    swapped = torch.cat([w[35:], w[:35]])
+    assert not torch.equal(glu_linear(x, swapped, cfg), out)
+    with pytest.raises(ValueError, match="one split"):
+        glu_linear(x, w, CONFIGS[1])
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4]], ids=str)
+def test_decode_model_glu_epilogue_gives_the_same_logits(cfg, monkeypatch):
+    """triton_linear._GLU on: every layer's gate/up projection stores SiLU * up itself (one
+    glu_linear per layer, no silu_mul), and the step's logits equal those with it off."""
+    import megatron_tlt.rollout.gpu_model as gm
+    import megatron_tlt.rollout.triton_linear as tl_mod
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=1)
+    ref = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
+    i32 = lambda t: t.to(torch.int32)  # noqa: E731
+    calls = {"glu_linear": 0, "silu_mul": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(gm, "glu_linear", counted("glu_linear", gm.glu_linear))
+    monkeypatch.setattr(gm, "silu_mul", counted("silu_mul", gm.silu_mul))
+    out = {}
+    for glu in (0, 2):
+        monkeypatch.setattr(tl_mod, "_GLU", glu)
+        model = DecodeModel(arch, w, ref.cos, ref.sin, planner=LinearPlanner(fixed=cfg))
+        cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+                             head_dim=arch.head_dim, num_blocks=8, block_size=4)
+        before = dict(calls)
+        out[glu] = model.forward(i32(torch.tensor([3])), i32(torch.tensor([5])), i32(torch.tensor([21])),
+                                 i32(torch.tensor([[2, 5, 0]])), i32(torch.tensor([6])), cache, num_splits=2)
+        used = {k: calls[k] - before[k] for k in calls}
+        assert used == ({"glu_linear": 0, "silu_mul": arch.num_layers} if glu == 0
+                        else {"glu_linear": arch.num_layers, "silu_mul": 0}), used
+    assert torch.equal(out[2], out[0])
+    # a split config cannot take the epilogue: the planner keeps the separate SiLU
+    monkeypatch.setattr(tl_mod, "_GLU", 2)
+    x = torch.zeros(1, 8)
+    assert LinearPlanner(fixed=CONFIGS[1]).glu_config(x, torch.zeros(6, 8)) is None
+    assert LinearPlanner().glu_config(x, torch.zeros(6, 8)) is None  # CPU: no timing
 
 
 @pytest.mark.parametrize("cfg,fused", [(CONFIGS[1], False), (CONFIGS[1], True), (CONFIGS[3], False),
