@@ -73,6 +73,10 @@
 #             kind of kernel left out or emptied, side by side with the whole step;
 #             ABLATE_SHAPES (default "1.5b:1,8,32 7b:1,32", SHAPE:BATCHES each), ABLATE_VARIANTS
 #             (default the tool's list); random weights, no target needed
+#   glu       session 32's GLU epilogue of the gate/up projection (opt-in, triton_linear._GLU):
+#             bench rollout against _GLU=1 (planner's choice) and _GLU=2 (always), the
+#             planner's glu decisions from the plan file, then its GPU tests (random
+#             weights, no target needed)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -350,12 +354,26 @@ case "$STAGE" in
           ${ABLATE_VARIANTS:+--variants "$ABLATE_VARIANTS"} \
           --json "$RESULTS/ablate_${sb%%:*}.json" 2>&1 | grep -v Warn | tee "$RESULTS/ablate_${sb%%:*}.log" | tail -n 40
     done ;;
+  glu)
+    timeout "$(upto 120)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_glu.json" \
+        --shapes 1.5b,7b --batch-sizes ${GLU_BATCHES:-1,8,32} --no-hf \
+        --compare-attr megatron_tlt.rollout.triton_linear:_GLU=1 \
+        --compare-attr megatron_tlt.rollout.triton_linear:_GLU=2 2>&1 | grep -v Warn | tail -n 12
+    $PY - "$MEGATRON_TLT_LINEAR_PLANS" <<'PYEOF' 2>&1 | tee "$RESULTS/glu_plans.txt"
+import json, sys
+for e in json.load(open(sys.argv[1])).get("fused", []):
+    if str(e["key"][0]).startswith("glu"):
+        print(e["key"][:4], e["config"], round(e["fused_us"], 2), "us against", round(e["unfused_us"], 2))
+PYEOF
+    timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_glu_epilogue_gpu.py \
+        2>&1 | tail -n 8 | tee "$RESULTS/gpu_tests_glu.log"
+    echo "[runbook] glu: at $(( $(date +%s) - t0 )) s" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu gputests)" ;;
 esac
 exit 0
