@@ -23,9 +23,9 @@ a graph node with no work):
   head:none      the LM head
   prefetch:none  the L2 weight prefetch after the attention (ATTN_L2_PREFETCH_MB=0)
   all:empty      every Triton or cuBLAS launch of the forward (norms, projections, fused
-                 prologue projections, GLU-epilogue projections, attention, SiLU, LM head; the embedding gather
-                 stays) an empty kernel: the floor of a chain of that many dependent
-                 launches with no work
+                 prologue and GLU-epilogue projections, attention, SiLU, LM head; the
+                 embedding gather stays) an empty kernel: the floor of a chain of that
+                 many dependent launches with no work
 Each variant is captured afresh; `--rounds` repeats the whole list, and each ratio is taken
 against the base step of the same round (drift cancels).
 """
@@ -118,6 +118,10 @@ def _silu_shape(gate_up, dtype=None):
     return (gu.shape[1], gu.shape[2] // 2), dtype or gate_up.dtype, gu.device
 
 
+def _glu_shape(x, weight, cfg):
+    return (x.shape[0], weight.shape[0] // 2), weight.dtype, x.device
+
+
 @contextlib.contextmanager
 def _all_empty():
     """all:empty's patches, applied on entering only (ablation() is also called just to
@@ -136,10 +140,6 @@ def _all_empty():
                             ("qkv_rope_write_kv", _stand_in(_attn_shape, True))):
             stack.enter_context(patch.object(gpu_model, name, value))
         yield
-
-
-def _glu_shape(x, weight, cfg):
-    return (x.shape[0], weight.shape[0] // 2), weight.dtype, x.device
 
 
 def ablation(variant: str, model) -> contextlib.AbstractContextManager:
