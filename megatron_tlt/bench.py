@@ -839,7 +839,10 @@ def main(args: argparse.Namespace) -> int:
                      "compare_split_min": opts.compare_split_min,
                      "compare_preload_kb": opts.compare_preload,
                      "compare_attr": opts.compare_attr,
-                     "seed": opts.seed},
+                     "seed": opts.seed,
+                     # the engine's knobs set for the whole run (the revision is git_revision)
+                     "environment": {k: v for k, v in sorted(os.environ.items())
+                                     if k.startswith("MEGATRON_TLT_") and k != "MEGATRON_TLT_GIT_REV"}},
         "bandwidth": bw,
         "definitions": {
             "decode_ms": "graph replay + on-device greedy argmax + input update, CUDA events, "

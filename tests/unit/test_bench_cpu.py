@@ -22,7 +22,9 @@ def _run(tmp_path, *extra) -> dict:
     return json.loads(path.read_text())
 
 
-def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
+def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TLT_TEST_RECORDED", "7")
+    monkeypatch.setenv("MEGATRON_TLT_GIT_REV", "0" * 40)
     report = _run(tmp_path, "--batch-sizes", "1,2", "--hf-batch-sizes", "2", "--hf-modes", "eager",
                   "--compare-pdl", "--compare-fused-rope", "--compare-merge", "--compare-split-min",
                   "--compare-preload", "64", "--compare-attr", "env:MEGATRON_TLT_TEST_KNOB=8")
@@ -36,6 +38,11 @@ def test_bench_rollout_cpu_torch_backend_with_hf_baseline(tmp_path, capsys):
     assert report["settings"]["compare_split_min"] is True
     assert report["settings"]["compare_preload_kb"] == 64
     assert report["settings"]["compare_attr"] == ["env:MEGATRON_TLT_TEST_KNOB=8"]
+    # the run's MEGATRON_TLT_* settings (not the compared side's knob, not the revision)
+    env = report["settings"]["environment"]
+    assert env["MEGATRON_TLT_TEST_RECORDED"] == "7"
+    assert "MEGATRON_TLT_TEST_KNOB" not in env and "MEGATRON_TLT_GIT_REV" not in env
+    assert report["git_revision"] == "0" * 40
     assert all("decode_ms_attr0" not in r for r in report["results"])  # no graphs on CPU
     assert all("decode_ms_split_min" not in r for r in report["results"])
     assert all(r["of_roofline_fused_rope"] is None and r["of_roofline_merge_in_kernel"] is None
