@@ -398,6 +398,8 @@ projection's plan + silu_mul, 2 wherever a one-split Triton config runs (its fas
 Read at import; bench rollout --compare-attr megatron_tlt.rollout.triton_linear:_GLU=N.
 Session 32's ablation (tools/ablate_decode.py, H100): leaving silu_mul out of the 7B
 batch-32 graph saved 12.7 us a layer against its 2.3 us alone."""
+if _GLU not in (0, 1, 2):
+    raise ValueError(f"MEGATRON_TLT_GLU={_GLU}: 0 (off), 1 (where timed faster) or 2 (always)")
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
