@@ -74,9 +74,9 @@
 #             ABLATE_SHAPES (default "1.5b:1,8,32 7b:1,32", SHAPE:BATCHES each), ABLATE_VARIANTS
 #             (default the tool's list); random weights, no target needed
 #   glu       session 32's GLU epilogue of the gate/up projection (opt-in, triton_linear._GLU):
-#             bench rollout against _GLU=1 (planner's choice) and _GLU=2 (always), the
-#             planner's glu decisions from the plan file, then its GPU tests (random
-#             weights, no target needed)
+#             bench rollout at GLU_BATCHES (default 1,8,32) against _GLU=1 (planner's
+#             choice) and _GLU=2 (always), the planner's glu decisions from the plan file,
+#             then its GPU tests (random weights, no target needed)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
