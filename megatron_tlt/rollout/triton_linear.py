@@ -127,27 +127,45 @@ def _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr,
-            stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m,
-            BLOCK_K: tl.constexpr, DOT: tl.constexpr, S_IN: tl.constexpr, PRO: tl.constexpr,
-            HAS_BIAS: tl.constexpr):
-    """acc plus the weight tile w (columns k0 ..) times its input tile: a tl.dot into
-    acc [BLOCK_M, BLOCK_N] (dot configs), or products into acc [BLOCK_N, BLOCK_K] (fma)."""
+def _x_in(k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+          rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+          S_IN: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The input tile of columns k0 ..: [BLOCK_M, BLOCK_K] in the model dtype (dot configs),
+    or [1, BLOCK_K] float32 (fma: plain x, or the prologue's tile)."""
     rk = k0 + tl.arange(0, BLOCK_K)
     k_ok = rk < k_hi
     if DOT:
         x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
                     rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO, HAS_BIAS)
+    elif PRO == 0:
+        x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+                    rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
+                    HAS_BIAS).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _mac(acc, w, x, DOT: tl.constexpr):
+    """acc plus the weight tile w times the input tile x (_x_in): a tl.dot into acc
+    [BLOCK_M, BLOCK_N] (dot configs), or products into acc [BLOCK_N, BLOCK_K] (fma)."""
+    if DOT:
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # BLOCK_M == 1: plain x, or the prologue's [1, BLOCK_K] tile
-        if PRO == 0:
-            x = tl.load(x_ptr + pid_m * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        else:
-            x = _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
-                        rstd, rm, rk, m_ok, k_ok, K, write_res, w_ptr, S_IN, PRO,
-                        HAS_BIAS).to(tl.float32)
+    else:
         acc += w.to(tl.float32) * x
     return acc
+
+
+@triton.jit
+def _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr,
+            stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m,
+            BLOCK_K: tl.constexpr, DOT: tl.constexpr, S_IN: tl.constexpr, PRO: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """acc plus the weight tile w (columns k0 ..) times its input tile (_x_in, _mac)."""
+    x = _x_in(k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm,
+              rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
+    return _mac(acc, w, x, DOT)
 
 
 @triton.jit
@@ -227,14 +245,16 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
                           w_ptr, pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
     for k0 in range(k_lo + PRE_T * BLOCK_K, k_hi, BLOCK_K):
         w = _w_tile(w_rows, n_ok, k0, k_hi, BLOCK_K)
-        acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
-                      nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT,
-                      S_IN, PRO, HAS_BIAS)
-        if GLU:
-            wu = _w_tile(u_rows, n_ok, k0, k_hi, BLOCK_K)
-            acc_u = _k_step(acc_u, wu, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr,
-                            r_out_ptr, nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr,
-                            pid_m, BLOCK_K, DOT, S_IN, PRO, HAS_BIAS)
+        if GLU:  # one input tile for the gate and the up rows
+            x = _x_in(k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr,
+                      stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K, DOT, S_IN,
+                      PRO, HAS_BIAS)
+            acc = _mac(acc, w, x, DOT)
+            acc_u = _mac(acc_u, _w_tile(u_rows, n_ok, k0, k_hi, BLOCK_K), x, DOT)
+        else:
+            acc = _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr,
+                          nw_ptr, stride_rm, rstd, rm, m_ok, K, write_res, w_ptr, pid_m, BLOCK_K,
+                          DOT, S_IN, PRO, HAS_BIAS)
     if not DOT:
         acc = tl.sum(acc, 1)[None, :]  # [1, BLOCK_N]
         if GLU:
@@ -544,17 +564,24 @@ class LinearPlanner(PlanCache):
         planes = linear_partials(xs, weight, cfg)
         unfused = _time_us(lambda i: silu_mul(planes, dtype=dt), self.iters) + proj_us
         ws = _weight_copies(weight)
-        best, best_us = None, (unfused if _GLU == 1 else float("inf"))
-        for cfg in candidate_configs(m, n2 // 2, k):
-            if cfg.kind == "cublas" or cfg.splits != 1:
-                continue
+        best, best_us = self._fastest(
+            [c for c in candidate_configs(m, n2 // 2, k) if c.kind != "cublas" and c.splits == 1],
+            lambda cfg, i: glu_linear(xs, ws[i % len(ws)], cfg), unfused if _GLU == 1 else float("inf"))
+        return best, best_us, unfused
+
+    def _fastest(self, configs, run, bound_us: float) -> tuple[LinearConfig | None, float]:
+        """The config of `configs` whose run(config, i) times fastest and under bound_us, and
+        its time; (None, bound_us) when none does. A config that does not compile on this
+        device is skipped."""
+        best, best_us = None, bound_us
+        for cfg in configs:
             try:
-                us = _time_us(lambda i: glu_linear(xs, ws[i % len(ws)], cfg), self.iters)  # noqa: B023
+                us = _time_us(lambda i: run(cfg, i), self.iters)  # noqa: B023
             except Exception:  # a config that does not compile on this device
                 continue
             if us < best_us:
                 best, best_us = cfg, us
-        return best, best_us, unfused
+        return best, best_us
 
     def _tune_fused(self, kind, planes, weight, norm_weight, eps, m, *, row_local=False):
         from megatron_tlt.rollout.gpu_model import rms_norm, silu_mul
@@ -572,20 +599,13 @@ class LinearPlanner(PlanCache):
         else:
             consumer = lambda i: silu_mul(p, dtype=dt)  # noqa: E731
         unfused = _time_us(consumer, self.iters) + proj_us
-        best, best_us = None, unfused
-        for cfg in candidate_configs(m, n, k):
-            if cfg.kind == "cublas" or (cfg.kind == "fma" and not _FMA_PROLOGUES):
-                continue
-            if kind == "norm":
-                fn = lambda i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731,B023
-            else:
-                fn = lambda i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731,B023
-            try:
-                us = _time_us(fn, self.iters)
-            except Exception:  # a config that does not compile on this device
-                continue
-            if us < best_us:
-                best, best_us = cfg, us
+        if kind == "norm":
+            run = lambda cfg, i: norm_linear_partials(p, res, nw, eps, ws[i % len(ws)], cfg)  # noqa: E731
+        else:
+            run = lambda cfg, i: silu_linear_partials(p, ws[i % len(ws)], cfg)  # noqa: E731
+        best, best_us = self._fastest(
+            [c for c in candidate_configs(m, n, k)
+             if c.kind != "cublas" and (c.kind != "fma" or _FMA_PROLOGUES)], run, unfused)
         return best, best_us, unfused
 
     def _tune(self, x, weight, key) -> tuple[LinearConfig, float]:
