@@ -417,7 +417,11 @@ no silu_mul launch): 0 off (default), 1 where the planner times it faster than t
 projection's plan + silu_mul, 2 wherever a one-split Triton config runs (its fastest).
 Read at import; bench rollout --compare-attr megatron_tlt.rollout.triton_linear:_GLU=N.
 Session 32's ablation (tools/ablate_decode.py, H100): leaving silu_mul out of the 7B
-batch-32 graph saved 12.7 us a layer against its 2.3 us alone."""
+batch-32 graph saved 12.7 us a layer against its 2.3 us alone. Timed over whole steps
+(session 33, H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session33):
+_GLU=1 ran at 0.927x-1.001x of the default's speed at the 1.5B and 7B shapes, batch 1 / 8 /
+32 (slower exactly where the planner timed the epilogue faster alone), _GLU=2 at
+0.924x-1.004x; hence off by default."""
 if _GLU not in (0, 1, 2):
     raise ValueError(f"MEGATRON_TLT_GLU={_GLU}: 0 (off), 1 (where timed faster) or 2 (always)")
 
