@@ -58,12 +58,15 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
 
 
 @contextlib.contextmanager
-def setting(warps=None, stages=None, block_n=None, full_grid=None):
+def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None):
     """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
     no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
     ta = triton_attention
     saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
-             gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE)
+             gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
+             gpu_model.ROPE_ATTENTION_PAGES_AHEAD)
+    if pages_ahead is not None:
+        gpu_model.ROPE_ATTENTION_PAGES_AHEAD = pages_ahead
     if warps is not None:
         gpu_model.ROPE_ATTENTION_WARPS = warps
     if stages is not None:
@@ -76,7 +79,8 @@ def setting(warps=None, stages=None, block_n=None, full_grid=None):
         yield
     finally:
         (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
-         gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE) = saved
+         gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
+         gpu_model.ROPE_ATTENTION_PAGES_AHEAD) = saved
 
 
 def time_graph(fn, reps: int) -> float:
@@ -116,6 +120,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default=None,
+                   help="comma-separated substrings: time only the settings whose names hold one")
     a = p.parse_args()
     dev = torch.device("cuda")
     arch = ModelArch(**SHAPES[a.shape])
@@ -145,6 +151,11 @@ def main() -> None:
     variants += [(f"splits=1,block_n={n}", 1, dict(block_n=n)) for n in (32, 128)]
     variants += [(f"splits={s},stages=1", s, dict(stages=1)) for s in (1, 2, 4, 8)]
     variants += [("splits=1,stages=1,block_n=128", 1, dict(stages=1, block_n=128))]
+    variants += [("pages_ahead" + (f",stages={s}" if s else ""), default_splits,
+                  dict(pages_ahead=True, stages=s)) for s in (None, 1, 2, 3)]
+    variants += [("pages_ahead,block_n=32", default_splits, dict(pages_ahead=True, block_n=32))]
+    if a.only:
+        variants = [v for v in variants if v[0] == "default" or any(o in v[0] for o in a.only.split(","))]
     ref = None
     rows = []
     flag = torch.zeros(1, dtype=torch.int32, device=dev)

@@ -45,7 +45,7 @@ from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
 from megatron_tlt.rollout.l2_prefetch import l2_prefetch
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
-                                                   MODE_TREE, _attend, _finish, _load_kv,
+                                                   MODE_TREE, _attend, _finish, _kv_pages, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
                                                    block_n_for, decode_stages, attention_warps,
                                                    combine_splits, paged_attention, split_buffers,
@@ -138,6 +138,11 @@ num_stages); None: triton_attention.decode_stages in decode (1 while a split of 
 longest context, block_tables' width, holds one key tile, else 2), 2 in the verify (2
 everywhere until session 27). Read at each launch, as NORM_WARPS (tools/attention_sweep.py
 times others)."""
+ROPE_ATTENTION_PAGES_AHEAD = False
+"""Decode: the _rope_attention_kernel's key loop loads the next tile's block-table entries
+one iteration ahead (the second tile's before the PDL wait), so no tile's key loads wait
+for its own block-table load; the same keys and arithmetic, bit for bit. Off until timed
+(tools/attention_sweep.py). Read at each launch, as NORM_WARPS."""
 ROPE_ATTENTION_BLOCK_N: int | None = None
 """Keys per inner iteration of the _rope_attention_kernel (a power of two, at least 16);
 None: triton_attention.block_n_for the cache's dtype (64 for 16-bit caches, as the paged
@@ -357,7 +362,7 @@ def _rope_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
-        USE_PDL: tl.constexpr = False):
+        PAGES_AHEAD: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
@@ -388,6 +393,9 @@ def _rope_attention_kernel(
         k0, v0 = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, start, end, d, d_ok, stride_kb,
                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
                           BLOCK_N, PAGE)
+        pages1 = None
+        if PAGES_AHEAD:  # the second key tile's cache blocks, before the wait as well
+            pages1 = _kv_pages(bt_ptr, b, start + BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
         hold = (prefix >= start) & (prefix < end)  # this split holds the new token
         j_ok = (tl.arange(0, WB) == 0) & hold
         tok_w = (q0 + 0 * tl.arange(0, WB)).to(tl.int64)
@@ -436,7 +444,8 @@ def _rope_attention_kernel(
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                                 stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
-                                k0, v0, k_row, v_row, NEW_ROW=True)
+                                k0, v0, k_row, v_row, NEW_ROW=True, PAGES_AHEAD=PAGES_AHEAD,
+                                pages_from=pages1)
         # The new token's K and V into the cache: read by later launches, not this one.
         _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
                   stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
@@ -564,6 +573,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
+        PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

@@ -191,9 +191,24 @@ def _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_k
              BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Keys and values n0 .. n0 + BLOCK_N - 1 of sequence b's KV head kvh ([BLOCK_N, D_PAD]
     each; 0 from `end` on)."""
+    page = _kv_pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N, PAGE)
+    return _kv_at(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
+                  stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE)
+
+
+@triton.jit
+def _kv_pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """The cache block of each key n0 .. n0 + BLOCK_N - 1 of sequence b (0 from `end` on)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_at(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
+           stride_vb, stride_vs, stride_vh, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """_load_kv with the keys' cache blocks `page` (_kv_pages) given."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < end
-    page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
     in_page = (n % PAGE).to(tl.int64)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
@@ -245,11 +260,15 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
             stride_tmb, stride_tmi, scale_log2,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, MODE: tl.constexpr,
-            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False):
+            k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False,
+            PAGES_AHEAD: tl.constexpr = False, pages_from=None):
     """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
     KV head kvh: (running max m, running sum l, unnormalised output acc). NEW_ROW (the
     fused decode): the first tile's keys/values k0 / v0 are loaded already, and the key at
-    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row)."""
+    position `prefix` (the new token) is k_row / v_row from registers (_with_new_row).
+    PAGES_AHEAD: each iteration loads the next tile's block-table entries, so a tile's key
+    loads do not wait for its own block-table load (the same keys, the same arithmetic);
+    with NEW_ROW the caller passes the second tile's entries (`pages_from`), loaded early."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -259,9 +278,17 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
         m_i, l_i, acc = _attend_tile(q, k0, v0, start, end, prefix, qi, row_ok, m_i, l_i, acc,
                                      tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
         n_from = start + BLOCK_N
+    page = pages_from
+    if PAGES_AHEAD and not NEW_ROW:
+        page = _kv_pages(bt_ptr, b, n_from, end, stride_btb, BLOCK_N, PAGE)
     for n0 in range(n_from, end, BLOCK_N):
-        k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
-                        stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+        if PAGES_AHEAD:
+            k, v = _kv_at(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
+                          stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE)
+            page = _kv_pages(bt_ptr, b, n0 + BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
+        else:
+            k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
+                            stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
         if NEW_ROW:
             k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,

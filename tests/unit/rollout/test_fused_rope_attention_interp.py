@@ -169,6 +169,39 @@ def test_full_grid_minimum_is_one_for_attention_and_merge(q, full_merge, monkeyp
         assert not torch.allclose(bad, one, rtol=1e-5, atol=1e-5)
 
 
+LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-key tiles
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", LONG_DECODE, ids=[c[0] for c in LONG_DECODE])
+def test_pages_ahead_equals_default(case, splits, monkeypatch):
+    """gpu_model.ROPE_ATTENTION_PAGES_AHEAD (decode: each key tile's block-table entries
+    loaded one iteration ahead) reads the same keys in the same order: output and cache
+    writes bit for bit the default's, at contexts of several key tiles (float32: 32-key
+    tiles; 70 keys in one split: three). Negative control: a block table shifted by one
+    entry past the first tile (what loading the wrong tile's entries would read) changes
+    the output."""
+    from megatron_tlt.rollout import gpu_model
+    _, ctx, heads, kvh, d, page, planes, bias, q = case
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=5, q=q)
+    live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+    k1, v1 = kc.clone(), vc.clone()
+    ref = _fused(qkv, pos, slots, cos, sin, k1, v1, meta, kw, splits)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_PAGES_AHEAD", True)
+    k2, v2 = kc.clone(), vc.clone()
+    out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert torch.equal(out[live], ref[live])
+    bt = meta["block_tables"].clone()
+    first = 32 // page  # float32 caches: 32-key tiles
+    bt[:, first:] = torch.roll(bt[:, first:], 1, dims=1)
+    bad = _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), dict(meta, block_tables=bt),
+                 kw, splits)
+    long = [i for i in live if ctx[i] > 32]
+    assert long and not torch.equal(bad[long], ref[long])
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[6]], ids=["gqa3", "bias-planes", "tree-q5"])
 def test_key_tile_override_matches_default_tiles(case, block_n, monkeypatch):
