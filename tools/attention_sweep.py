@@ -58,13 +58,16 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
 
 
 @contextlib.contextmanager
-def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None):
+def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None,
+            write_first=None):
     """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
     no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
     ta = triton_attention
     saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
              gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-             gpu_model.ROPE_ATTENTION_PAGES_AHEAD)
+             gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST)
+    if write_first is not None:
+        gpu_model.ROPE_ATTENTION_WRITE_FIRST = write_first
     if pages_ahead is not None:
         gpu_model.ROPE_ATTENTION_PAGES_AHEAD = pages_ahead
     if warps is not None:
@@ -80,7 +83,7 @@ def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=N
     finally:
         (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
          gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-         gpu_model.ROPE_ATTENTION_PAGES_AHEAD) = saved
+         gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST) = saved
 
 
 def time_graph(fn, reps: int) -> float:
@@ -154,6 +157,13 @@ def main() -> None:
     variants += [("pages_ahead" + (f",stages={s}" if s else ""), default_splits,
                   dict(pages_ahead=True, stages=s)) for s in (None, 1, 2, 3)]
     variants += [("pages_ahead,block_n=32", default_splits, dict(pages_ahead=True, block_n=32))]
+    wf = dict(write_first=True)
+    variants += [("write_first", default_splits, wf), ("write_first,pages_ahead", default_splits,
+                  dict(wf, pages_ahead=True))]
+    variants += [(f"write_first,warps={w}", default_splits, dict(wf, warps=w)) for w in (4, 8)]
+    variants += [(f"write_first,stages={s}", default_splits, dict(wf, stages=s)) for s in (1, 3)]
+    variants += [("write_first,splits=1", 1, wf), ("write_first,splits=1,block_n=128", 1,
+                                                   dict(wf, block_n=128))]
     if a.only:
         variants = [v for v in variants if v[0] == "default" or any(o in v[0] for o in a.only.split(","))]
     ref = None

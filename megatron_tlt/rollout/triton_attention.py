@@ -261,14 +261,16 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, MODE: tl.constexpr,
             k0=None, v0=None, k_row=None, v_row=None, NEW_ROW: tl.constexpr = False,
-            PAGES_AHEAD: tl.constexpr = False, pages_from=None):
+            PAGES_AHEAD: tl.constexpr = False, pages_from=None, ROW_IN_CACHE: tl.constexpr = False):
     """Online softmax of the rows q [BLOCK_M, D_PAD] over keys [start, end) of sequence b's
     KV head kvh: (running max m, running sum l, unnormalised output acc). NEW_ROW (the
     fused decode): the first tile's keys/values k0 / v0 are loaded already, and the key at
     position `prefix` (the new token) is k_row / v_row from registers (_with_new_row).
     PAGES_AHEAD: each iteration loads the next tile's block-table entries, so a tile's key
     loads do not wait for its own block-table load (the same keys, the same arithmetic);
-    with NEW_ROW the caller passes the second tile's entries (`pages_from`), loaded early."""
+    with NEW_ROW the caller passes the second tile's entries (`pages_from`), loaded early.
+    ROW_IN_CACHE (with NEW_ROW): the caller has written the new token's K/V into the cache
+    before this call, so only the first tile (loaded before that) takes them from registers."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -289,7 +291,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
         else:
             k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
                             stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
-        if NEW_ROW:
+        if NEW_ROW and not ROW_IN_CACHE:
             k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
                                      b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)

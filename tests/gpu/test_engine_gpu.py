@@ -1048,19 +1048,30 @@ def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, seed, q=1):
     return to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), meta, kw
 
 
+DECODE_LOOP_KNOBS = {"default": (), "write-first": ("ROPE_ATTENTION_WRITE_FIRST",),
+                     "pages-ahead": ("ROPE_ATTENTION_PAGES_AHEAD",)}
+
+
+@pytest.mark.parametrize("knobs", ["default", "write-first", "pages-ahead"])
 @pytest.mark.parametrize("merge", [False, True], ids=["combine-kernel", "merge-in-kernel"])
 @pytest.mark.parametrize("q", [1, 5])
 @pytest.mark.parametrize("heads,kvh,planes,bias", [(12, 2, 4, True), (28, 4, 1, True),
                                                   (32, 8, 2, False)])
 def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, q, merge,
-                                                     monkeypatch):
+                                                     knobs, monkeypatch):
     """rope_attention (MEGATRON_TLT_FUSED_ROPE=1's kernel) == qkv_rope_write_kv +
     paged_attention bit for bit (output and both caches), bf16, compiled, decode (q = 1)
     and tree verify (q = 5), at 1, 8 and 64 splits over contexts from 5 to 4500 (splits
     with and without keys, the new tokens' split anywhere, also across two splits),
     eagerly and as 20 CUDA-graph replays; the caches are reset before each replay, so a
-    replay reading a new K/V before writing it would show."""
+    replay reading a new K/V before writing it would show. Also with the decode key-loop
+    knobs gpu_model.ROPE_ATTENTION_WRITE_FIRST / _PAGES_AHEAD (decode only)."""
+    from megatron_tlt.rollout import gpu_model
     from megatron_tlt.rollout import triton_attention as ta
+    if knobs != "default" and q > 1:
+        pytest.skip("the decode key-loop knobs act in decode only")
+    for knob in DECODE_LOOP_KNOBS[knobs]:
+        monkeypatch.setattr(gpu_model, knob, True)
     monkeypatch.setattr(ta, "_MERGE", merge)
     dtype = torch.bfloat16
     ctx = [5, 17, 300, 4097, 6, 129, 66, 4500]
@@ -1102,15 +1113,21 @@ def _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q, split
     return out
 
 
+@pytest.mark.parametrize("knobs", ["default", "write-first", "pages-ahead"])
 @pytest.mark.parametrize("q", [1, 5])
-def test_full_grid_minimum_fused_equals_separate_bf16(q):
+def test_full_grid_minimum_fused_equals_separate_bf16(q, knobs, monkeypatch):
     """A grid of 32 sequences x 4 KV heads (128 programs: at least 3/4 of the SMs, so
     split_min_tiles gives FULL_GRID_MIN_TILES = 4 and FULL_GRID_MERGE merges in the
     kernel, the 7B shape at batch 32): rope_attention == qkv_rope_write_kv +
     paged_attention bit for bit (output and caches) at 1, 2 and 8 splits over contexts of
     5 to 1500 keys, eagerly and in CUDA-graph replays; == the unsplit output within bf16
     rounding (the merge read the splits the attention wrote); the merge counters end at 0."""
+    from megatron_tlt.rollout import gpu_model
     from megatron_tlt.rollout import triton_attention as ta
+    if knobs != "default" and q > 1:
+        pytest.skip("the decode key-loop knobs act in decode only")
+    for knob in DECODE_LOOP_KNOBS[knobs]:
+        monkeypatch.setattr(gpu_model, knob, True)
     if 4 * 32 * 4 < 3 * num_sms(CUDA):
         pytest.skip(f"{num_sms(CUDA)} SMs: 128 programs do not fill 3/4 of them")
     assert ta.split_min_tiles(32 * 4, CUDA) == max(ta.split_min_tiles(), ta.FULL_GRID_MIN_TILES) == 4
