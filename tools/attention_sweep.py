@@ -157,7 +157,11 @@ def main() -> None:
     variants += [("pages_ahead" + (f",stages={s}" if s else ""), default_splits,
                   dict(pages_ahead=True, stages=s)) for s in (None, 1, 2, 3)]
     variants += [("pages_ahead,block_n=32", default_splits, dict(pages_ahead=True, block_n=32))]
-    wf = dict(write_first=True)
+    wf = dict(write_first=1)
+    variants += [("write_all", default_splits, dict(write_first=2)),
+                 ("write_all,pages_ahead", default_splits, dict(write_first=2, pages_ahead=True)),
+                 ("write_all,warps=8", default_splits, dict(write_first=2, warps=8)),
+                 ("write_all,stages=3", default_splits, dict(write_first=2, stages=3))]
     variants += [("write_first", default_splits, wf), ("write_first,pages_ahead", default_splits,
                   dict(wf, pages_ahead=True))]
     variants += [(f"write_first,warps={w}", default_splits, dict(wf, warps=w)) for w in (4, 8)]

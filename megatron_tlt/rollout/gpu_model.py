@@ -143,14 +143,15 @@ ROPE_ATTENTION_PAGES_AHEAD = False
 one iteration ahead (the second tile's before the PDL wait), so no tile's key loads wait
 for its own block-table load; the same keys and arithmetic, bit for bit. Off until timed
 (tools/attention_sweep.py). Read at each launch, as NORM_WARPS."""
-ROPE_ATTENTION_WRITE_FIRST = False
-"""Decode: the _rope_attention_kernel writes the new token's K and V into the cache right
-after computing them (after the PDL wait), and its key tiles after the first read that row
-from the cache, so only the first tile (loaded before the wait, when the row was not yet
-written) takes it from registers (_with_new_row); otherwise every tile pays that select on
-its keys and values (about 300 of a 64-key tile's ~980 instructions a warp, sm_90 SASS of
-the 7B shape). The same bf16 values either way: bit for bit. Off until timed. Read at each
-launch, as NORM_WARPS."""
+ROPE_ATTENTION_WRITE_FIRST = 0
+"""Decode: 1 or 2: the _rope_attention_kernel writes the new token's K and V into the cache
+right after computing them (after the PDL wait), and its key tiles read that row from the
+cache; with 1 but the first tile (loaded before the wait, when the row was not yet written,
+so it takes the row from registers: _with_new_row), with 2 every tile (none is loaded
+before the wait; no register tile to convert into the dot's layout either). 0: every
+tile takes the row from registers, paying that select on its keys and values (about 300
+of a 64-key tile's ~980 instructions a warp, sm_90 SASS of the 7B shape). The same bf16
+values either way: bit for bit. 0 until timed. Read at each launch, as NORM_WARPS."""
 ROPE_ATTENTION_BLOCK_N: int | None = None
 """Keys per inner iteration of the _rope_attention_kernel (a power of two, at least 16);
 None: triton_attention.block_n_for the cache's dtype (64 for 16-bit caches, as the paged
@@ -370,7 +371,7 @@ def _rope_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
-        PAGES_AHEAD: tl.constexpr = False, WRITE_FIRST: tl.constexpr = False,
+        PAGES_AHEAD: tl.constexpr = False, WRITE_FIRST: tl.constexpr = 0,
         USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
@@ -399,12 +400,16 @@ def _rope_attention_kernel(
     # RoPE tables' loads that depend on them need not wait for it either).
     pos = tl.load(pos_ptr + tok * stride_pos, mask=row_ok & (split < n_live), other=0).to(tl.int64)
     if MODE == 0:
-        k0, v0 = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, start, end, d, d_ok, stride_kb,
-                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
-                          BLOCK_N, PAGE)
+        k0 = None
+        v0 = None
+        if WRITE_FIRST < 2:
+            k0, v0 = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, start, end, d, d_ok, stride_kb,
+                              stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+                              BLOCK_N, PAGE)
         pages1 = None
-        if PAGES_AHEAD:  # the second key tile's cache blocks, before the wait as well
-            pages1 = _kv_pages(bt_ptr, b, start + BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
+        if PAGES_AHEAD:  # the loop's first key tile's cache blocks, before the wait as well
+            pages1 = _kv_pages(bt_ptr, b, start + (BLOCK_N if WRITE_FIRST < 2 else 0), end,
+                               stride_btb, BLOCK_N, PAGE)
         hold = (prefix >= start) & (prefix < end)  # this split holds the new token
         j_ok = (tl.arange(0, WB) == 0) & hold
         tok_w = (q0 + 0 * tl.arange(0, WB)).to(tl.int64)
@@ -422,7 +427,7 @@ def _rope_attention_kernel(
         # token, and then never used: _with_new_row)
         k_row = tl.max(tl.where(j_ok[:, None], k_new.to(tl.float32), float("-inf")), 0).to(k_new.dtype)
         v_row = tl.max(tl.where(j_ok[:, None], v_new.to(tl.float32), float("-inf")), 0).to(v_new.dtype)
-        if WRITE_FIRST:  # the key tiles after the first read the new token from the cache
+        if WRITE_FIRST:  # the key tiles (after the first, with 1) read the new row from the cache
             _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
                       stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PAGE)
             tl.debug_barrier()  # the stores before this block's loads of them
@@ -457,8 +462,9 @@ def _rope_attention_kernel(
                                 row_ok, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
                                 stride_vs, stride_vh, stride_btb, stride_tmb, stride_tmi,
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
-                                k0, v0, k_row, v_row, NEW_ROW=True, PAGES_AHEAD=PAGES_AHEAD,
-                                pages_from=pages1, ROW_IN_CACHE=WRITE_FIRST)
+                                k0, v0, k_row, v_row, NEW_ROW=WRITE_FIRST < 2,
+                                PAGES_AHEAD=PAGES_AHEAD, pages_from=pages1,
+                                ROW_IN_CACHE=WRITE_FIRST > 0)
         if not WRITE_FIRST:
             # The new token's K and V into the cache: read by later launches, not this one.
             _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
@@ -588,7 +594,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
-        WRITE_FIRST=bool(ROPE_ATTENTION_WRITE_FIRST) and mode == MODE_DECODE,
+        WRITE_FIRST=int(ROPE_ATTENTION_WRITE_FIRST) if mode == MODE_DECODE else 0,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

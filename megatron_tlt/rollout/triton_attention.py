@@ -268,7 +268,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
     position `prefix` (the new token) is k_row / v_row from registers (_with_new_row).
     PAGES_AHEAD: each iteration loads the next tile's block-table entries, so a tile's key
     loads do not wait for its own block-table load (the same keys, the same arithmetic);
-    with NEW_ROW the caller passes the second tile's entries (`pages_from`), loaded early.
+    The caller may pass the loop's first tile's entries (`pages_from`), loaded early.
     ROW_IN_CACHE (with NEW_ROW): the caller has written the new token's K/V into the cache
     before this call, so only the first tile (loaded before that) takes them from registers."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -281,7 +281,7 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
                                      tm_ptr, b, stride_tmb, stride_tmi, scale_log2, BLOCK_N, MODE)
         n_from = start + BLOCK_N
     page = pages_from
-    if PAGES_AHEAD and not NEW_ROW:
+    if PAGES_AHEAD and pages_from is None:
         page = _kv_pages(bt_ptr, b, n_from, end, stride_btb, BLOCK_N, PAGE)
     for n0 in range(n_from, end, BLOCK_N):
         if PAGES_AHEAD:

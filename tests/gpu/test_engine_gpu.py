@@ -1048,11 +1048,12 @@ def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, seed, q=1):
     return to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), meta, kw
 
 
-DECODE_LOOP_KNOBS = {"default": (), "write-first": ("ROPE_ATTENTION_WRITE_FIRST",),
-                     "pages-ahead": ("ROPE_ATTENTION_PAGES_AHEAD",)}
+DECODE_LOOP_KNOBS = {"default": {}, "write-first": dict(ROPE_ATTENTION_WRITE_FIRST=1),
+                     "write-all": dict(ROPE_ATTENTION_WRITE_FIRST=2),
+                     "pages-ahead": dict(ROPE_ATTENTION_PAGES_AHEAD=True)}
 
 
-@pytest.mark.parametrize("knobs", ["default", "write-first", "pages-ahead"])
+@pytest.mark.parametrize("knobs", list(DECODE_LOOP_KNOBS))
 @pytest.mark.parametrize("merge", [False, True], ids=["combine-kernel", "merge-in-kernel"])
 @pytest.mark.parametrize("q", [1, 5])
 @pytest.mark.parametrize("heads,kvh,planes,bias", [(12, 2, 4, True), (28, 4, 1, True),
@@ -1070,8 +1071,8 @@ def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, q
     from megatron_tlt.rollout import triton_attention as ta
     if knobs != "default" and q > 1:
         pytest.skip("the decode key-loop knobs act in decode only")
-    for knob in DECODE_LOOP_KNOBS[knobs]:
-        monkeypatch.setattr(gpu_model, knob, True)
+    for knob, value in DECODE_LOOP_KNOBS[knobs].items():
+        monkeypatch.setattr(gpu_model, knob, value)
     monkeypatch.setattr(ta, "_MERGE", merge)
     dtype = torch.bfloat16
     ctx = [5, 17, 300, 4097, 6, 129, 66, 4500]
@@ -1113,7 +1114,7 @@ def _fused_equals_separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, q, split
     return out
 
 
-@pytest.mark.parametrize("knobs", ["default", "write-first", "pages-ahead"])
+@pytest.mark.parametrize("knobs", list(DECODE_LOOP_KNOBS))
 @pytest.mark.parametrize("q", [1, 5])
 def test_full_grid_minimum_fused_equals_separate_bf16(q, knobs, monkeypatch):
     """A grid of 32 sequences x 4 KV heads (128 programs: at least 3/4 of the SMs, so
@@ -1126,8 +1127,8 @@ def test_full_grid_minimum_fused_equals_separate_bf16(q, knobs, monkeypatch):
     from megatron_tlt.rollout import triton_attention as ta
     if knobs != "default" and q > 1:
         pytest.skip("the decode key-loop knobs act in decode only")
-    for knob in DECODE_LOOP_KNOBS[knobs]:
-        monkeypatch.setattr(gpu_model, knob, True)
+    for knob, value in DECODE_LOOP_KNOBS[knobs].items():
+        monkeypatch.setattr(gpu_model, knob, value)
     if 4 * 32 * 4 < 3 * num_sms(CUDA):
         pytest.skip(f"{num_sms(CUDA)} SMs: 128 programs do not fill 3/4 of them")
     assert ta.split_min_tiles(32 * 4, CUDA) == max(ta.split_min_tiles(), ta.FULL_GRID_MIN_TILES) == 4

@@ -172,15 +172,19 @@ def test_full_grid_minimum_is_one_for_attention_and_merge(q, full_merge, monkeyp
 LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-key tiles
 
 
-@pytest.mark.parametrize("knobs", [("ROPE_ATTENTION_PAGES_AHEAD",), ("ROPE_ATTENTION_WRITE_FIRST",),
-                                   ("ROPE_ATTENTION_PAGES_AHEAD", "ROPE_ATTENTION_WRITE_FIRST")],
-                         ids=["pages-ahead", "write-first", "both"])
+@pytest.mark.parametrize("knobs", [dict(ROPE_ATTENTION_PAGES_AHEAD=True),
+                                   dict(ROPE_ATTENTION_WRITE_FIRST=1),
+                                   dict(ROPE_ATTENTION_WRITE_FIRST=2),
+                                   dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=1),
+                                   dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=2)],
+                         ids=["pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", LONG_DECODE, ids=[c[0] for c in LONG_DECODE])
 def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     """gpu_model.ROPE_ATTENTION_PAGES_AHEAD (decode: each key tile's block-table entries
     loaded one iteration ahead) and ROPE_ATTENTION_WRITE_FIRST (the new token's K/V written
-    before the key loop, which reads it back from the cache after the first tile) read the
+    before the key loop, which reads it back from the cache after the first tile, 1, or in
+    every tile, 2) read the
     same keys in the same order: output and cache writes bit for bit the default's, at
     contexts of several key tiles (float32: 32-key tiles; 70 keys in one split: three; the
     new token past the first tile). Negative control: a block table shifted by one entry
@@ -193,8 +197,8 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
     k1, v1 = kc.clone(), vc.clone()
     ref = _fused(qkv, pos, slots, cos, sin, k1, v1, meta, kw, splits)
-    for knob in knobs:
-        monkeypatch.setattr(gpu_model, knob, True)
+    for knob, value in knobs.items():
+        monkeypatch.setattr(gpu_model, knob, value)
     k2, v2 = kc.clone(), vc.clone()
     out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits)
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
