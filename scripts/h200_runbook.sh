@@ -77,6 +77,11 @@
 #             bench rollout at GLU_BATCHES (default 1,8,32) against _GLU=1 (planner's
 #             choice) and _GLU=2 (always), the planner's glu decisions from the plan file,
 #             then its GPU tests (random weights, no target needed)
+#   loop      session 33's decode-attention key-loop knobs (gpu_model.ROPE_ATTENTION_WRITE_FIRST,
+#             _OFF32, _PAGES_AHEAD; all off, none timed over whole steps yet): the fused
+#             attention alone at 7B B=32 and 1.5B B=1 (tools/attention_sweep.py --only),
+#             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32, then their
+#             bit-for-bit GPU tests (random weights, no target needed; ~400 s)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -368,12 +373,28 @@ PYEOF
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_glu_epilogue_gpu.py \
         2>&1 | tail -n 8 | tee "$RESULTS/gpu_tests_glu.log"
     echo "[runbook] glu: at $(( $(date +%s) - t0 )) s" ;;
+  loop)
+    G=megatron_tlt.rollout.gpu_model
+    for sb in "7b 32 2" "1.5b 1 1"; do
+      set -- $sb
+      timeout "$(upto 300)" $PY tools/attention_sweep.py --shape "$1" --batch "$2" --planes "$3" \
+          --only write,off32,pages_ahead --json "$RESULTS/attn_sweep_loop_$1_b$2.json" 2>&1 \
+          | grep -E "us/call|failed|rror"
+    done
+    ab_bench loop 120 \
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1" \
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2" \
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1;$G:ROPE_ATTENTION_OFF32=True" \
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2;$G:ROPE_ATTENTION_OFF32=True" \
+        --compare-attr "$G:ROPE_ATTENTION_OFF32=True"
+    pytest_stage "loop tests" 5 gpu_tests_loop.log tests/gpu/test_engine_gpu.py \
+        -k "rope_attention_equals_separate or full_grid_minimum_fused" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop gputests)" ;;
 esac
 exit 0

@@ -59,13 +59,16 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
 
 @contextlib.contextmanager
 def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None,
-            write_first=None):
+            write_first=None, off32=None):
     """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
     no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
     ta = triton_attention
     saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
              gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-             gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST)
+             gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
+             gpu_model.ROPE_ATTENTION_OFF32)
+    if off32 is not None:
+        gpu_model.ROPE_ATTENTION_OFF32 = off32
     if write_first is not None:
         gpu_model.ROPE_ATTENTION_WRITE_FIRST = write_first
     if pages_ahead is not None:
@@ -83,7 +86,8 @@ def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=N
     finally:
         (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
          gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-         gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST) = saved
+         gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
+         gpu_model.ROPE_ATTENTION_OFF32) = saved
 
 
 def time_graph(fn, reps: int) -> float:
@@ -168,6 +172,10 @@ def main() -> None:
     variants += [(f"write_first,stages={s}", default_splits, dict(wf, stages=s)) for s in (1, 3)]
     variants += [("write_first,splits=1", 1, wf), ("write_first,splits=1,block_n=128", 1,
                                                    dict(wf, block_n=128))]
+    variants += [("off32", default_splits, dict(off32=True)),
+                 ("off32,write_first", default_splits, dict(off32=True, write_first=1)),
+                 ("off32,write_all", default_splits, dict(off32=True, write_first=2)),
+                 ("off32,write_all,warps=8", default_splits, dict(off32=True, write_first=2, warps=8))]
     if a.only:
         variants = [v for v in variants if v[0] == "default" or any(o in v[0] for o in a.only.split(","))]
     ref = None

@@ -61,7 +61,8 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, S=planes, HAS_BIAS=arch.qkv_bias,
                  SPLIT=splits > 1, MODE=ta.MODE_DECODE, WB=2, MERGE=merge, MIN_TILES=min_tiles,
                  PAGES_AHEAD=bool(gpu_model.ROPE_ATTENTION_PAGES_AHEAD),
-                 WRITE_FIRST=int(gpu_model.ROPE_ATTENTION_WRITE_FIRST), USE_PDL=True,
+                 WRITE_FIRST=int(gpu_model.ROPE_ATTENTION_WRITE_FIRST),
+                 OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32), USE_PDL=True,
                  **{s: 1 for s in _UNIT_STRIDES})
     return const, warps, stages
 
@@ -69,6 +70,12 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
 def compile_sm90(const: dict, warps: int, stages: int):
     fn = gpu_model._rope_attention_kernel
     sig, attrs = {}, {}
+    const = dict(const)
+    for param in fn.params:  # constexprs the launch leaves at their defaults
+        if param.is_constexpr and param.name not in const:
+            if not param.has_default:
+                raise SystemExit(f"constexpr {param.name} has no default: give it")
+            const[param.name] = param.default
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"

@@ -152,6 +152,20 @@ before the wait; no register tile to convert into the dot's layout either). 0: e
 tile takes the row from registers, paying that select on its keys and values (about 300
 of a 64-key tile's ~980 instructions a warp, sm_90 SASS of the 7B shape). The same bf16
 values either way: bit for bit. 0 until timed. Read at each launch, as NORM_WARPS."""
+ROPE_ATTENTION_OFF32 = False
+"""Decode: the _rope_attention_kernel's key loop computes its cache offsets in 32 bits
+where every element offset of both caches fits (offsets_fit_int32; the same addresses,
+bit for bit): key loop 588 -> 423 instructions a warp with ROPE_ATTENTION_WRITE_FIRST=2
+(sm_90 SASS of the 7B shape, tools/sass_attention.py). Off until timed. Read at each
+launch, as NORM_WARPS."""
+
+
+def offsets_fit_int32(*caches: torch.Tensor) -> bool:
+    """Every element offset of each cache (from its own first element) fits int32."""
+    return all(sum((n - 1) * st for n, st in zip(c.shape, c.stride())) < 2 ** 31 - 1
+               and min(c.stride()) >= 0 for c in caches)
+
+
 ROPE_ATTENTION_BLOCK_N: int | None = None
 """Keys per inner iteration of the _rope_attention_kernel (a power of two, at least 16);
 None: triton_attention.block_n_for the cache's dtype (64 for 16-bit caches, as the paged
@@ -372,6 +386,7 @@ def _rope_attention_kernel(
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
         PAGES_AHEAD: tl.constexpr = False, WRITE_FIRST: tl.constexpr = 0,
+        OFF32: tl.constexpr = False,
         USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
@@ -464,7 +479,7 @@ def _rope_attention_kernel(
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
                                 k0, v0, k_row, v_row, NEW_ROW=WRITE_FIRST < 2,
                                 PAGES_AHEAD=PAGES_AHEAD, pages_from=pages1,
-                                ROW_IN_CACHE=WRITE_FIRST > 0)
+                                ROW_IN_CACHE=WRITE_FIRST > 0, OFF32=OFF32)
         if not WRITE_FIRST:
             # The new token's K and V into the cache: read by later launches, not this one.
             _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
@@ -595,6 +610,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
         WRITE_FIRST=int(ROPE_ATTENTION_WRITE_FIRST) if mode == MODE_DECODE else 0,
+        OFF32=bool(ROPE_ATTENTION_OFF32) and mode == MODE_DECODE and offsets_fit_int32(k_cache, v_cache),
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

@@ -1050,7 +1050,9 @@ def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, seed, q=1):
 
 DECODE_LOOP_KNOBS = {"default": {}, "write-first": dict(ROPE_ATTENTION_WRITE_FIRST=1),
                      "write-all": dict(ROPE_ATTENTION_WRITE_FIRST=2),
-                     "pages-ahead": dict(ROPE_ATTENTION_PAGES_AHEAD=True)}
+                     "pages-ahead": dict(ROPE_ATTENTION_PAGES_AHEAD=True),
+                     "off32-write-all": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=2),
+                     "off32-write-first": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=1)}
 
 
 @pytest.mark.parametrize("knobs", list(DECODE_LOOP_KNOBS))

@@ -176,15 +176,20 @@ LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-k
                                    dict(ROPE_ATTENTION_WRITE_FIRST=1),
                                    dict(ROPE_ATTENTION_WRITE_FIRST=2),
                                    dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=1),
-                                   dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=2)],
-                         ids=["pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all"])
+                                   dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=2),
+                                   dict(ROPE_ATTENTION_OFF32=True),
+                                   dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=2),
+                                   dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_PAGES_AHEAD=True,
+                                        ROPE_ATTENTION_WRITE_FIRST=1)],
+                         ids=["pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all",
+                              "off32", "off32-all", "off32-ahead-first"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", LONG_DECODE, ids=[c[0] for c in LONG_DECODE])
 def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     """gpu_model.ROPE_ATTENTION_PAGES_AHEAD (decode: each key tile's block-table entries
     loaded one iteration ahead) and ROPE_ATTENTION_WRITE_FIRST (the new token's K/V written
     before the key loop, which reads it back from the cache after the first tile, 1, or in
-    every tile, 2) read the
+    every tile, 2) and ROPE_ATTENTION_OFF32 (32-bit cache offsets) read the
     same keys in the same order: output and cache writes bit for bit the default's, at
     contexts of several key tiles (float32: 32-key tiles; 70 keys in one split: three; the
     new token past the first tile). Negative control: a block table shifted by one entry
@@ -210,6 +215,18 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
                  kw, splits)
     long = [i for i in live if ctx[i] > 32]
     assert long and not torch.equal(bad[long], ref[long])
+
+
+def test_offsets_fit_int32_sees_the_largest_offset():
+    """offsets_fit_int32 (ROPE_ATTENTION_OFF32's check) takes a cache whose last element sits
+    below 2**31 - 1 and refuses one a single block larger (meta tensors: no memory)."""
+    from megatron_tlt.rollout.gpu_model import offsets_fit_int32
+    per_block = 16 * 8 * 128
+    fits = (2 ** 31 - 1) // per_block
+    ok = torch.empty(fits, 16, 8, 128, device="meta")
+    big = torch.empty(fits + 1, 16, 8, 128, device="meta")
+    assert offsets_fit_int32(ok, ok) and offsets_fit_int32(torch.empty(4, 16, 2, 64))
+    assert not offsets_fit_int32(ok, big) and not offsets_fit_int32(big)
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
