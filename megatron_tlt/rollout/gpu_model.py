@@ -140,7 +140,7 @@ everywhere until session 27). Read at each launch, as NORM_WARPS (tools/attentio
 times others)."""
 ROPE_ATTENTION_PAGES_AHEAD = False
 """Decode: the _rope_attention_kernel's key loop loads the next tile's block-table entries
-one iteration ahead (the second tile's before the PDL wait), so no tile's key loads wait
+one iteration ahead (the loop's first tile's before the PDL wait), so no tile's key loads wait
 for its own block-table load; the same keys and arithmetic, bit for bit. Off until timed
 (tools/attention_sweep.py). Read at each launch, as NORM_WARPS."""
 ROPE_ATTENTION_WRITE_FIRST = 0
@@ -151,7 +151,9 @@ so it takes the row from registers: _with_new_row), with 2 every tile (none is l
 before the wait; no register tile to convert into the dot's layout either). 0: every
 tile takes the row from registers, paying that select on its keys and values (about 300
 of a 64-key tile's ~980 instructions a warp, sm_90 SASS of the 7B shape). The same bf16
-values either way: bit for bit. 0 until timed. Read at each launch, as NORM_WARPS."""
+values either way: bit for bit. With 2 a padding row (slot -1: nothing written) reads
+whatever its block holds at position 0, where 0 and 1 take its own QKV row; its output is
+never used either way. 0 until timed. Read at each launch, as NORM_WARPS."""
 ROPE_ATTENTION_OFF32 = False
 """Decode: the _rope_attention_kernel's key loop computes its cache offsets in 32 bits
 where every element offset of both caches fits (offsets_fit_int32; the same addresses,
@@ -401,7 +403,9 @@ def _rope_attention_kernel(
     the cache) and the positions are issued first, before the PDL wait. None of those is
     written by the kernel launched right before this one (DecodeModel launches the QKV
     projection there; rollout/pdl.py). The tree verify writes its new tokens' K and V
-    first and reads them back after a barrier, as the separate kernels do."""
+    first and reads them back after a barrier, as the separate kernels do; so does decode
+    with WRITE_FIRST (ROPE_ATTENTION_WRITE_FIRST: 1 after its first, preloaded tile, 2 for
+    every tile, none then loaded before the wait)."""
     if MODE != 0:
         pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
