@@ -78,9 +78,9 @@
 #             choice) and _GLU=2 (always), the planner's glu decisions from the plan file,
 #             then its GPU tests (random weights, no target needed)
 #   loop      session 33's decode-attention key-loop knobs (gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-#             _OFF32, _PAGES_AHEAD; all off, none timed over whole steps yet): the fused
+#             _OFF32, _SAME_STRIDES, _PAGES_AHEAD; all off, none timed over whole steps yet): the fused
 #             attention alone at 7B B=32 and 1.5B B=1 (tools/attention_sweep.py --only),
-#             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32, then their
+#             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32 (and SAME_STRIDES), then their
 #             bit-for-bit GPU tests (random weights, no target needed; ~400 s)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
@@ -386,6 +386,7 @@ PYEOF
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2" \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1;$G:ROPE_ATTENTION_OFF32=True" \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2;$G:ROPE_ATTENTION_OFF32=True" \
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2;$G:ROPE_ATTENTION_OFF32=True;$G:ROPE_ATTENTION_SAME_STRIDES=True" \
         --compare-attr "$G:ROPE_ATTENTION_OFF32=True"
     pytest_stage "loop tests" 5 gpu_tests_loop.log tests/gpu/test_engine_gpu.py \
         -k "rope_attention_equals_separate or full_grid_minimum_fused" ;;

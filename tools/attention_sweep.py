@@ -7,7 +7,7 @@ A CUDA graph of one call per layer (each layer its own KV cache, so the keys com
 HBM as in a decode step, not from L2) is replayed; printed: microseconds per call, the
 KV bytes per call over that time, and the ratio to the default setting timed in the same
 run. Settings: split counts, warps, pipelining stages, key-tile sizes (block_n), the key
-loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32; --only picks
+loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32, _SAME_STRIDES; --only picks
 settings by name), and an empty kernel's per-launch floor. A benchmark, not a test: it asserts nothing about time;
 every setting's output is checked equal to the default's (the same math, bit for bit,
 for settings that keep the split layout; others only reported as max |diff|).
@@ -60,14 +60,16 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
 
 @contextlib.contextmanager
 def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None,
-            write_first=None, off32=None):
+            write_first=None, off32=None, same=None):
     """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
     no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
     ta = triton_attention
     saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
              gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
              gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-             gpu_model.ROPE_ATTENTION_OFF32)
+             gpu_model.ROPE_ATTENTION_OFF32, gpu_model.ROPE_ATTENTION_SAME_STRIDES)
+    if same is not None:
+        gpu_model.ROPE_ATTENTION_SAME_STRIDES = same
     if off32 is not None:
         gpu_model.ROPE_ATTENTION_OFF32 = off32
     if write_first is not None:
@@ -88,7 +90,7 @@ def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=N
         (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
          gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
          gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-         gpu_model.ROPE_ATTENTION_OFF32) = saved
+         gpu_model.ROPE_ATTENTION_OFF32, gpu_model.ROPE_ATTENTION_SAME_STRIDES) = saved
 
 
 def time_graph(fn, reps: int) -> float:
@@ -176,7 +178,9 @@ def main() -> None:
     variants += [("off32", default_splits, dict(off32=True)),
                  ("off32,write_first", default_splits, dict(off32=True, write_first=1)),
                  ("off32,write_all", default_splits, dict(off32=True, write_first=2)),
-                 ("off32,write_all,warps=8", default_splits, dict(off32=True, write_first=2, warps=8))]
+                 ("off32,write_all,warps=8", default_splits, dict(off32=True, write_first=2, warps=8)),
+                 ("off32,write_all,same", default_splits, dict(off32=True, write_first=2, same=True)),
+                 ("off32,write_first,same", default_splits, dict(off32=True, write_first=1, same=True))]
     if a.only:
         variants = [v for v in variants if v[0] == "default" or any(o in v[0] for o in a.only.split(","))]
     ref = None

@@ -62,7 +62,8 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
                  SPLIT=splits > 1, MODE=ta.MODE_DECODE, WB=2, MERGE=merge, MIN_TILES=min_tiles,
                  PAGES_AHEAD=bool(gpu_model.ROPE_ATTENTION_PAGES_AHEAD),
                  WRITE_FIRST=int(gpu_model.ROPE_ATTENTION_WRITE_FIRST),
-                 OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32), USE_PDL=True,
+                 OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32),
+                 SAME_STRIDES=bool(gpu_model.ROPE_ATTENTION_SAME_STRIDES), USE_PDL=True,
                  **{s: 1 for s in _UNIT_STRIDES})
     return const, warps, stages
 

@@ -162,6 +162,14 @@ bit for bit): key loop 588 -> 423 instructions a warp with ROPE_ATTENTION_WRITE_
 launch, as NORM_WARPS."""
 
 
+ROPE_ATTENTION_SAME_STRIDES = False
+"""Decode: where the value cache has the key cache's strides (the engine allocates them
+alike), the _rope_attention_kernel's key loop loads the values at the keys' offsets: key
+loop 423 -> 389 instructions a warp with WRITE_FIRST=2 and OFF32, 588 -> 485 with
+WRITE_FIRST=2 alone (sm_90 SASS of the 7B shape). The same addresses. Off until timed.
+Read at each launch, as NORM_WARPS."""
+
+
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
     """Every element offset of each cache (from its own first element) fits int32."""
     return all(sum((n - 1) * st for n, st in zip(c.shape, c.stride())) < 2 ** 31 - 1
@@ -388,7 +396,7 @@ def _rope_attention_kernel(
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
         PAGES_AHEAD: tl.constexpr = False, WRITE_FIRST: tl.constexpr = 0,
-        OFF32: tl.constexpr = False,
+        OFF32: tl.constexpr = False, SAME_STRIDES: tl.constexpr = False,
         USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
@@ -483,7 +491,8 @@ def _rope_attention_kernel(
                                 scale_log2, BLOCK_M, BLOCK_N, D_PAD, PAGE, MODE,
                                 k0, v0, k_row, v_row, NEW_ROW=WRITE_FIRST < 2,
                                 PAGES_AHEAD=PAGES_AHEAD, pages_from=pages1,
-                                ROW_IN_CACHE=WRITE_FIRST > 0, OFF32=OFF32)
+                                ROW_IN_CACHE=WRITE_FIRST > 0, OFF32=OFF32,
+                                SAME_STRIDES=SAME_STRIDES)
         if not WRITE_FIRST:
             # The new token's K and V into the cache: read by later launches, not this one.
             _store_kv(k_ptr, v_ptr, slot, j_ok, kvh, k_new, v_new, dd, stride_kb, stride_ks,
@@ -615,6 +624,8 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
         WRITE_FIRST=int(ROPE_ATTENTION_WRITE_FIRST) if mode == MODE_DECODE else 0,
         OFF32=bool(ROPE_ATTENTION_OFF32) and mode == MODE_DECODE and offsets_fit_int32(k_cache, v_cache),
+        SAME_STRIDES=(bool(ROPE_ATTENTION_SAME_STRIDES) and mode == MODE_DECODE
+                      and k_cache.stride() == v_cache.stride()),
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

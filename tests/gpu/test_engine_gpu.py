@@ -1052,7 +1052,10 @@ DECODE_LOOP_KNOBS = {"default": {}, "write-first": dict(ROPE_ATTENTION_WRITE_FIR
                      "write-all": dict(ROPE_ATTENTION_WRITE_FIRST=2),
                      "pages-ahead": dict(ROPE_ATTENTION_PAGES_AHEAD=True),
                      "off32-write-all": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=2),
-                     "off32-write-first": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=1)}
+                     "off32-write-first": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=1),
+                     "same-off32-write-all": dict(ROPE_ATTENTION_SAME_STRIDES=True,
+                                                  ROPE_ATTENTION_OFF32=True,
+                                                  ROPE_ATTENTION_WRITE_FIRST=2)}
 
 
 @pytest.mark.parametrize("knobs", list(DECODE_LOOP_KNOBS))

@@ -180,16 +180,21 @@ LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-k
                                    dict(ROPE_ATTENTION_OFF32=True),
                                    dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=2),
                                    dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_PAGES_AHEAD=True,
-                                        ROPE_ATTENTION_WRITE_FIRST=1)],
+                                        ROPE_ATTENTION_WRITE_FIRST=1),
+                                   dict(ROPE_ATTENTION_SAME_STRIDES=True),
+                                   dict(ROPE_ATTENTION_SAME_STRIDES=True, ROPE_ATTENTION_OFF32=True,
+                                        ROPE_ATTENTION_WRITE_FIRST=2)],
                          ids=["pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all",
-                              "off32", "off32-all", "off32-ahead-first"])
+                              "off32", "off32-all", "off32-ahead-first", "same-strides",
+                              "same-off32-all"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", LONG_DECODE, ids=[c[0] for c in LONG_DECODE])
 def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     """gpu_model.ROPE_ATTENTION_PAGES_AHEAD (decode: each key tile's block-table entries
     loaded one iteration ahead) and ROPE_ATTENTION_WRITE_FIRST (the new token's K/V written
     before the key loop, which reads it back from the cache after the first tile, 1, or in
-    every tile, 2) and ROPE_ATTENTION_OFF32 (32-bit cache offsets) read the
+    every tile, 2), ROPE_ATTENTION_OFF32 (32-bit cache offsets) and _SAME_STRIDES (the
+    values at the keys' offsets) read the
     same keys in the same order: output and cache writes bit for bit the default's, at
     contexts of several key tiles (float32: 32-key tiles; 70 keys in one split: three; the
     new token past the first tile). Negative control: a block table shifted by one entry
@@ -215,6 +220,28 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
                  kw, splits)
     long = [i for i in live if ctx[i] > 32]
     assert long and not torch.equal(bad[long], ref[long])
+
+
+def test_same_strides_only_where_the_value_cache_shares_them(monkeypatch):
+    """ROPE_ATTENTION_SAME_STRIDES loads the values at the keys' offsets only when the
+    launch sees equal strides: a value cache laid out [blocks, kv heads, page, dim] (the
+    same shape through a permuted view) keeps its own offsets, so the output still equals
+    the default's bit for bit (without the host's check it reads the wrong values)."""
+    from megatron_tlt.rollout import gpu_model
+    _, ctx, heads, kvh, d, page, planes, bias, q = LONG_DECODE[0]
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=9, q=q)
+    live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+
+    def other_layout(x):
+        return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+    ref = _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 1)
+    v2 = other_layout(vc)
+    assert v2.stride() != kc.stride() and torch.equal(v2, vc)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_SAME_STRIDES", True)
+    out = _fused(qkv, pos, slots, cos, sin, kc.clone(), v2, meta, kw, 1)
+    assert torch.equal(out[live], ref[live])
 
 
 def test_offsets_fit_int32_sees_the_largest_offset():
