@@ -58,39 +58,30 @@ def case(arch: ModelArch, batch: int, context: int, layers: int, page: int, plan
     return qkv, pos, slots, cos, sin, bias, caches, meta
 
 
+_KNOBS = {"warps": "ROPE_ATTENTION_WARPS", "stages": "ROPE_ATTENTION_STAGES",
+          "block_n": "ROPE_ATTENTION_BLOCK_N", "pages_ahead": "ROPE_ATTENTION_PAGES_AHEAD",
+          "write_first": "ROPE_ATTENTION_WRITE_FIRST", "off32": "ROPE_ATTENTION_OFF32",
+          "same": "ROPE_ATTENTION_SAME_STRIDES"}
+"""setting()'s keywords -> the gpu_model knob each sets."""
+
+
 @contextlib.contextmanager
-def setting(warps=None, stages=None, block_n=None, full_grid=None, pages_ahead=None,
-            write_first=None, off32=None, same=None):
-    """Launch knobs for the calls inside; full_grid=False: no full-grid 4-tile minimum and
-    no full-grid in-kernel merge (the settings before session 27, with stages=2)."""
+def setting(full_grid=None, **knobs):
+    """Launch knobs for the calls inside (keywords of _KNOBS; None leaves one as it is);
+    full_grid=False: no full-grid 4-tile minimum and no full-grid in-kernel merge (the
+    settings before session 27, with stages=2)."""
     ta = triton_attention
-    saved = (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
-             gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-             gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-             gpu_model.ROPE_ATTENTION_OFF32, gpu_model.ROPE_ATTENTION_SAME_STRIDES)
-    if same is not None:
-        gpu_model.ROPE_ATTENTION_SAME_STRIDES = same
-    if off32 is not None:
-        gpu_model.ROPE_ATTENTION_OFF32 = off32
-    if write_first is not None:
-        gpu_model.ROPE_ATTENTION_WRITE_FIRST = write_first
-    if pages_ahead is not None:
-        gpu_model.ROPE_ATTENTION_PAGES_AHEAD = pages_ahead
-    if warps is not None:
-        gpu_model.ROPE_ATTENTION_WARPS = warps
-    if stages is not None:
-        gpu_model.ROPE_ATTENTION_STAGES = stages
-    if block_n is not None:
-        gpu_model.ROPE_ATTENTION_BLOCK_N = block_n
+    targets = [(gpu_model, _KNOBS[k], v) for k, v in knobs.items() if v is not None]
     if full_grid is False:
-        ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE = 1, False
+        targets += [(ta, "FULL_GRID_MIN_TILES", 1), (ta, "FULL_GRID_MERGE", False)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
+    for mod, name, value in targets:
+        setattr(mod, name, value)
     try:
         yield
     finally:
-        (gpu_model.ROPE_ATTENTION_WARPS, gpu_model.ROPE_ATTENTION_STAGES,
-         gpu_model.ROPE_ATTENTION_BLOCK_N, ta.FULL_GRID_MIN_TILES, ta.FULL_GRID_MERGE,
-         gpu_model.ROPE_ATTENTION_PAGES_AHEAD, gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-         gpu_model.ROPE_ATTENTION_OFF32, gpu_model.ROPE_ATTENTION_SAME_STRIDES) = saved
+        for mod, name, value in saved:
+            setattr(mod, name, value)
 
 
 def time_graph(fn, reps: int) -> float:

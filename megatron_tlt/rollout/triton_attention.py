@@ -188,12 +188,13 @@ def _n_merge(n_live, num_splits, MODE: tl.constexpr, MERGE: tl.constexpr):
 @triton.jit
 def _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
              stride_vb, stride_vs, stride_vh, stride_btb,
-             BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+             BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+             OFF32: tl.constexpr = False, SAME_STRIDES: tl.constexpr = False):
     """Keys and values n0 .. n0 + BLOCK_N - 1 of sequence b's KV head kvh ([BLOCK_N, D_PAD]
-    each; 0 from `end` on)."""
+    each; 0 from `end` on). OFF32, SAME_STRIDES: _kv_at's."""
     page = _kv_pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N, PAGE)
     return _kv_at(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh,
-                  stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE)
+                  stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE, OFF32, SAME_STRIDES)
 
 
 @triton.jit
@@ -304,13 +305,10 @@ def _attend(q, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, start, end, prefix, qi, row
                           stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_N, PAGE, OFF32,
                           SAME_STRIDES)
             page = _kv_pages(bt_ptr, b, n0 + BLOCK_N, end, stride_btb, BLOCK_N, PAGE)
-        elif OFF32 or SAME_STRIDES:
-            k, v = _kv_at(k_ptr, v_ptr, _kv_pages(bt_ptr, b, n0, end, stride_btb, BLOCK_N, PAGE),
-                          kvh, n0, end, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb,
-                          stride_vs, stride_vh, BLOCK_N, PAGE, OFF32, SAME_STRIDES)
         else:
             k, v = _load_kv(k_ptr, v_ptr, bt_ptr, b, kvh, n0, end, d, d_ok, stride_kb, stride_ks,
-                            stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE)
+                            stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, BLOCK_N, PAGE,
+                            OFF32, SAME_STRIDES)
         if NEW_ROW and not ROW_IN_CACHE:
             k, v = _with_new_row(k, v, k_row, v_row, n0, end, prefix, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, n0, end, prefix, qi, row_ok, m_i, l_i, acc, tm_ptr,
