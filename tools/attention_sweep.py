@@ -7,8 +7,9 @@ A CUDA graph of one call per layer (each layer its own KV cache, so the keys com
 HBM as in a decode step, not from L2) is replayed; printed: microseconds per call, the
 KV bytes per call over that time, and the ratio to the default setting timed in the same
 run. Settings: split counts, warps, pipelining stages, key-tile sizes (block_n), the key
-loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32, _SAME_STRIDES; --only picks
-settings by name), and an empty kernel's per-launch floor. A benchmark, not a test: it asserts nothing about time;
+loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32, _SAME_STRIDES; each
+setting leaves the knobs it does not name at their defaults; "before session 34" sets the
+last three as they were then; --only picks settings by name), and an empty kernel's per-launch floor. A benchmark, not a test: it asserts nothing about time;
 every setting's output is checked equal to the default's (the same math, bit for bit,
 for settings that keep the split layout; others only reported as max |diff|).
 """
@@ -144,6 +145,7 @@ def main() -> None:
     variants = [("default", default_splits, {})]
     variants += [(f"before session 27 (splits={old_splits})", old_splits,
                   dict(stages=2, full_grid=False))]
+    variants += [("before session 34", default_splits, dict(write_first=0, off32=False, same=False))]
     variants += [(f"splits={s}", s, {}) for s in (1, 2, 3, 4, 6, 8, 16) if s != default_splits]
     variants += [(f"warps={w}", default_splits, dict(warps=w)) for w in (2, 4, 8, 16)]
     variants += [(f"stages={s}", default_splits, dict(stages=s)) for s in (1, 2, 3, 4)]

@@ -61,7 +61,9 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, S=planes, HAS_BIAS=arch.qkv_bias,
                  SPLIT=splits > 1, MODE=ta.MODE_DECODE, WB=2, MERGE=merge, MIN_TILES=min_tiles,
                  PAGES_AHEAD=bool(gpu_model.ROPE_ATTENTION_PAGES_AHEAD),
-                 WRITE_FIRST=int(gpu_model.ROPE_ATTENTION_WRITE_FIRST),
+                 WRITE_FIRST=(2 if programs * splits > sms else 1)  # decode_write_first's rule
+                 if gpu_model.ROPE_ATTENTION_WRITE_FIRST is None
+                 else int(gpu_model.ROPE_ATTENTION_WRITE_FIRST),
                  OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32),
                  SAME_STRIDES=bool(gpu_model.ROPE_ATTENTION_SAME_STRIDES), USE_PDL=True,
                  **{s: 1 for s in _UNIT_STRIDES})

@@ -47,7 +47,7 @@ from megatron_tlt.rollout.l2_prefetch import l2_prefetch
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _kv_pages, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
-                                                   block_n_for, decode_stages, attention_warps,
+                                                   block_n_for, decode_stages, attention_warps, num_sms,
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
@@ -143,7 +143,7 @@ ROPE_ATTENTION_PAGES_AHEAD = False
 one iteration ahead (the loop's first tile's before the PDL wait), so no tile's key loads wait
 for its own block-table load; the same keys and arithmetic, bit for bit. Off until timed
 (tools/attention_sweep.py). Read at each launch, as NORM_WARPS."""
-ROPE_ATTENTION_WRITE_FIRST = 0
+ROPE_ATTENTION_WRITE_FIRST: int | None = None
 """Decode: 1 or 2: the _rope_attention_kernel writes the new token's K and V into the cache
 right after computing them (after the PDL wait), and its key tiles read that row from the
 cache; with 1 but the first tile (loaded before the wait, when the row was not yet written,
@@ -153,21 +153,36 @@ tile takes the row from registers, paying that select on its keys and values (ab
 of a 64-key tile's ~980 instructions a warp, sm_90 SASS of the 7B shape). The same bf16
 values either way: bit for bit. With 2 a padding row (slot -1: nothing written) reads
 whatever its block holds at position 0, where 0 and 1 take its own QKV row; its output is
-never used either way. 0 until timed. Read at each launch, as NORM_WARPS."""
-ROPE_ATTENTION_OFF32 = False
+never used either way. None (the default): decode_write_first over the launch's grid.
+Read at each launch, as NORM_WARPS."""
+ROPE_ATTENTION_OFF32 = True
 """Decode: the _rope_attention_kernel's key loop computes its cache offsets in 32 bits
-where every element offset of both caches fits (offsets_fit_int32; the same addresses,
-bit for bit): key loop 588 -> 423 instructions a warp with ROPE_ATTENTION_WRITE_FIRST=2
-(sm_90 SASS of the 7B shape, tools/sass_attention.py). Off until timed. Read at each
-launch, as NORM_WARPS."""
-
-
-ROPE_ATTENTION_SAME_STRIDES = False
+where every element offset of both caches fits (offsets_fit_int32; else 64, as before
+session 34; the same addresses, bit for bit): key loop 588 -> 423 instructions a warp with
+ROPE_ATTENTION_WRITE_FIRST=2 (sm_90 SASS of the 7B shape, tools/sass_attention.py). On by
+default since session 34 (timings: decode_write_first). Read at each launch, as NORM_WARPS."""
+ROPE_ATTENTION_SAME_STRIDES = True
 """Decode: where the value cache has the key cache's strides (the engine allocates them
 alike), the _rope_attention_kernel's key loop loads the values at the keys' offsets: key
 loop 423 -> 389 instructions a warp with WRITE_FIRST=2 and OFF32, 588 -> 485 with
-WRITE_FIRST=2 alone (sm_90 SASS of the 7B shape). The same addresses. Off until timed.
-Read at each launch, as NORM_WARPS."""
+WRITE_FIRST=2 alone (sm_90 SASS of the 7B shape). The same addresses. On by default since
+session 34 (timings: decode_write_first). Read at each launch, as NORM_WARPS."""
+
+
+def decode_write_first(programs: int, device: torch.device | str) -> int:
+    """The decode attention's WRITE_FIRST where ROPE_ATTENTION_WRITE_FIRST is None: 2 (no
+    key tile loaded before the PDL wait; the fewest instructions a tile) where the grid has
+    more programs than SMs, else 1 (the first tile still loaded before the wait). Session
+    34 (H100, benchmarks/results/gpu_2026-12-06_session34, bench rollout --compare-attr, all
+    three knobs against the session-33 defaults WRITE_FIRST=0, 64-bit offsets, own value
+    offsets): with OFF32 and SAME_STRIDES, WRITE_FIRST=2 ran whole decode steps 1.023x
+    faster at the 7B shape, batch 32 (256 programs) and at the 1.5B shape, batch 32 (320),
+    and 0.983x / 0.993x as fast at the 1.5B shape, batch 1 / 8 (10 / 80 programs: one wave,
+    where the tile loaded before the wait is the overlap PDL buys); WRITE_FIRST=1 with
+    OFF32 there 1.003x / 1.010x (7B, batch 1 / 8: 1.000x). The fused attention alone
+    (tools/attention_sweep.py, 28 layers' caches): 7B batch 32 18.99 -> 13.15 us a call,
+    1.5B batch 1 7.20 -> 6.01 us with 2, where no kernel runs before it to overlap."""
+    return 2 if programs > num_sms(device) else 1
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -607,6 +622,10 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         raise ValueError(f"rope_attention: key tiles of {block_n} keys (need a power of two >= 16)")
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
+    write_first = 0
+    if mode == MODE_DECODE:
+        write_first = (decode_write_first(bsz * kvh * row_tiles * num_splits, qkv.device)
+                       if ROPE_ATTENTION_WRITE_FIRST is None else int(ROPE_ATTENTION_WRITE_FIRST))
     _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
@@ -622,7 +641,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
-        WRITE_FIRST=int(ROPE_ATTENTION_WRITE_FIRST) if mode == MODE_DECODE else 0,
+        WRITE_FIRST=write_first,
         OFF32=bool(ROPE_ATTENTION_OFF32) and mode == MODE_DECODE and offsets_fit_int32(k_cache, v_cache),
         SAME_STRIDES=(bool(ROPE_ATTENTION_SAME_STRIDES) and mode == MODE_DECODE
                       and k_cache.stride() == v_cache.stride()),

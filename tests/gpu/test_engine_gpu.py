@@ -108,6 +108,9 @@ def paged_case(ctx, n_new, *, heads, kv_heads, page, dtype, tree=False, seed=0):
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """inf where out holds NaN or inf (see tests/unit/rollout/test_triton_attention_interp.py)."""
+    if not torch.isfinite(out).all():
+        return float("inf")
     return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
@@ -1048,7 +1051,10 @@ def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, seed, q=1):
     return to(qkv), to(pos), to(slots), to(cos), to(sin), to(kc), to(vc), meta, kw
 
 
-DECODE_LOOP_KNOBS = {"default": {}, "write-first": dict(ROPE_ATTENTION_WRITE_FIRST=1),
+DECODE_LOOP_KNOBS = {"default": {}, "before-s34": dict(ROPE_ATTENTION_WRITE_FIRST=0,
+                                                       ROPE_ATTENTION_OFF32=False,
+                                                       ROPE_ATTENTION_SAME_STRIDES=False),
+                     "write-first": dict(ROPE_ATTENTION_WRITE_FIRST=1),
                      "write-all": dict(ROPE_ATTENTION_WRITE_FIRST=2),
                      "pages-ahead": dict(ROPE_ATTENTION_PAGES_AHEAD=True),
                      "off32-write-all": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=2),
@@ -1071,7 +1077,9 @@ def test_rope_attention_equals_separate_kernels_bf16(heads, kvh, planes, bias, q
     with and without keys, the new tokens' split anywhere, also across two splits),
     eagerly and as 20 CUDA-graph replays; the caches are reset before each replay, so a
     replay reading a new K/V before writing it would show. Also with the decode key-loop
-    knobs gpu_model.ROPE_ATTENTION_WRITE_FIRST / _PAGES_AHEAD (decode only)."""
+    knobs gpu_model.ROPE_ATTENTION_WRITE_FIRST / _PAGES_AHEAD / _OFF32 / _SAME_STRIDES
+    (decode only; each entry of DECODE_LOOP_KNOBS over today's defaults, "before-s34" as
+    the loop was before session 34 made OFF32, SAME_STRIDES and decode_write_first default)."""
     from megatron_tlt.rollout import gpu_model
     from megatron_tlt.rollout import triton_attention as ta
     if knobs != "default" and q > 1:

@@ -172,7 +172,12 @@ def test_full_grid_minimum_is_one_for_attention_and_merge(q, full_merge, monkeyp
 LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-key tiles
 
 
-@pytest.mark.parametrize("knobs", [dict(ROPE_ATTENTION_PAGES_AHEAD=True),
+BEFORE_S34 = dict(ROPE_ATTENTION_PAGES_AHEAD=False, ROPE_ATTENTION_WRITE_FIRST=0,
+                  ROPE_ATTENTION_OFF32=False, ROPE_ATTENTION_SAME_STRIDES=False)
+"""The decode key loop's knobs as they were before session 34 made the last three default."""
+
+
+@pytest.mark.parametrize("knobs", ["defaults", dict(ROPE_ATTENTION_PAGES_AHEAD=True),
                                    dict(ROPE_ATTENTION_WRITE_FIRST=1),
                                    dict(ROPE_ATTENTION_WRITE_FIRST=2),
                                    dict(ROPE_ATTENTION_PAGES_AHEAD=True, ROPE_ATTENTION_WRITE_FIRST=1),
@@ -184,7 +189,7 @@ LONG_DECODE = [c for c in CASES if c[8] == 1 and max(c[1]) > 32]  # several 32-k
                                    dict(ROPE_ATTENTION_SAME_STRIDES=True),
                                    dict(ROPE_ATTENTION_SAME_STRIDES=True, ROPE_ATTENTION_OFF32=True,
                                         ROPE_ATTENTION_WRITE_FIRST=2)],
-                         ids=["pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all",
+                         ids=["defaults", "pages-ahead", "write-first", "write-all", "ahead-first", "ahead-all",
                               "off32", "off32-all", "off32-ahead-first", "same-strides",
                               "same-off32-all"])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -194,8 +199,9 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     loaded one iteration ahead) and ROPE_ATTENTION_WRITE_FIRST (the new token's K/V written
     before the key loop, which reads it back from the cache after the first tile, 1, or in
     every tile, 2), ROPE_ATTENTION_OFF32 (32-bit cache offsets) and _SAME_STRIDES (the
-    values at the keys' offsets) read the
-    same keys in the same order: output and cache writes bit for bit the default's, at
+    values at the keys' offsets) read the same keys in the same order: output and cache
+    writes bit for bit those of the loop before session 34 (BEFORE_S34; "defaults": today's
+    defaults, decode_write_first's choice with OFF32 and SAME_STRIDES), at
     contexts of several key tiles (float32: 32-key tiles; 70 keys in one split: three; the
     new token past the first tile). Negative control: a block table shifted by one entry
     past the first tile (what loading the wrong tile's entries would read) changes the
@@ -205,9 +211,12 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
         ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=5, q=q)
     live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+    defaults = {knob: getattr(gpu_model, knob) for knob in BEFORE_S34}
+    for knob, value in BEFORE_S34.items():
+        monkeypatch.setattr(gpu_model, knob, value)
     k1, v1 = kc.clone(), vc.clone()
     ref = _fused(qkv, pos, slots, cos, sin, k1, v1, meta, kw, splits)
-    for knob, value in knobs.items():
+    for knob, value in (defaults if knobs == "defaults" else knobs).items():
         monkeypatch.setattr(gpu_model, knob, value)
     k2, v2 = kc.clone(), vc.clone()
     out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits)
@@ -220,6 +229,38 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
                  kw, splits)
     long = [i for i in live if ctx[i] > 32]
     assert long and not torch.equal(bad[long], ref[long])
+
+
+def test_decode_write_first_follows_the_grid(monkeypatch):
+    """ROPE_ATTENTION_WRITE_FIRST=None (the default) asks decode_write_first with the
+    launch's program count (sequences x KV heads x row tiles x splits): 1 up to one program
+    per SM, 2 past it; a set knob is used as given and the rule is not asked; the verify
+    (tree) launch never asks."""
+    from megatron_tlt.rollout import gpu_model
+    from megatron_tlt.rollout.triton_attention import num_sms
+    sms = num_sms("cpu")
+    assert gpu_model.ROPE_ATTENTION_WRITE_FIRST is None
+    assert gpu_model.decode_write_first(sms, "cpu") == 1
+    assert gpu_model.decode_write_first(sms + 1, "cpu") == 2
+    asked = []
+    rule = gpu_model.decode_write_first
+    monkeypatch.setattr(gpu_model, "decode_write_first",
+                        lambda programs, device: asked.append(programs) or rule(programs, device))
+    _, ctx, heads, kvh, d, page, planes, bias, q = LONG_DECODE[0]
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=3, q=q)
+    _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
+    assert asked == [len(ctx) * kvh * 3]
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_WRITE_FIRST", 1)
+    _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
+    assert asked == [len(ctx) * kvh * 3]
+    tree = next(c for c in CASES if c[8] > 1)
+    _, ctx, heads, kvh, d, page, planes, bias, q = tree
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_WRITE_FIRST", None)
+    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
+        ctx, heads=heads, kvh=kvh, d=d, page=page, planes=planes, bias=bias, seed=3, q=q)
+    _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
+    assert asked == [len(LONG_DECODE[0][1]) * LONG_DECODE[0][3] * 3]
 
 
 def test_same_strides_only_where_the_value_cache_shares_them(monkeypatch):
@@ -284,13 +325,18 @@ def test_key_tile_override_matches_default_tiles(case, block_n, monkeypatch):
             _fused(qkv, pos, slots, cos, sin, kc.clone(), vc.clone(), meta, kw, 3)
 
 
+@pytest.mark.parametrize("write_first", [None, 0])
 @pytest.mark.parametrize("q", [1, 5])
-def test_comparison_catches_a_wrong_position_and_a_missing_write(q):
+def test_comparison_catches_a_wrong_position_and_a_missing_write(q, write_first, monkeypatch):
     """Negative controls: the same comparison fails when the fused kernel is given other
     positions (RoPE differs) or told not to write the first sequence's K/V (slot -1: the
     cache differs, and in the tree verify that sequence's output too, since it reads its
-    new keys back; decode takes the new key and value from registers, so there the output
-    stays the separate kernels')."""
+    new keys back; so does decode with WRITE_FIRST=2, decode_write_first's choice for this
+    grid of 12 programs on 4 "SMs"; with 0 or 1 decode takes the new key and value from
+    registers, so there the output stays the separate kernels')."""
+    from megatron_tlt.rollout import gpu_model
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_WRITE_FIRST", write_first)
+    reads_back = q > 1 or (write_first is None and gpu_model.decode_write_first(2 * 2 * 3, "cpu") == 2)
     qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
         [7, 40], heads=6, kvh=2, d=16, page=4, planes=1, bias=False, seed=5, q=q)
     k1, v1 = kc.clone(), vc.clone()
@@ -304,7 +350,7 @@ def test_comparison_catches_a_wrong_position_and_a_missing_write(q):
     no_write[:q] = -1
     out = _fused(qkv, pos, no_write, cos, sin, k3, v3, meta, kw, 3)
     assert not torch.equal(k3, k1)
-    assert torch.equal(out[:q], ref[:q]) == (q == 1)
+    assert torch.equal(out[:q], ref[:q]) == (not reads_back)
     assert torch.equal(out[q:], ref[q:])
 
 

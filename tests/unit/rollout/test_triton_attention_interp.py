@@ -72,6 +72,10 @@ def paged_case(ctx_lens, n_new, *, heads=4, kv_heads=2, head_dim=16, page=4, tre
 
 
 def rel_err(out, ref) -> float:
+    """Max abs error over ref's max; inf where out holds NaN or inf (as wrong as an output
+    gets: a negative control that reads unwritten memory may find NaNs there, or not)."""
+    if not torch.isfinite(out).all():
+        return float("inf")
     return float((out - ref).abs().max() / ref.abs().max())
 
 
