@@ -82,9 +82,10 @@
 #             attention alone at 7B B=32 and 1.5B B=1 (tools/attention_sweep.py --only),
 #             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32 (and SAME_STRIDES), then their
 #             bit-for-bit GPU tests (random weights, no target needed; ~400 s)
-#   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES) against
-#             the loop before them and against WRITE_FIRST 1 / 2 everywhere (bench rollout at batch
-#             1 / 8 / 16 / 32), then the decode GPU tests with the defaults (~350 s)
+#   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES): their
+#             decode GPU tests (S34_RESERVE s left for what follows, default 150), then bench
+#             rollout at batch 1 / 8 / 16 / 32 against the loop before them and against
+#             WRITE_FIRST 1 / 2 everywhere (~250 s)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -395,12 +396,12 @@ PYEOF
         -k "rope_attention_equals_separate or full_grid_minimum_fused" ;;
   s34)
     G=megatron_tlt.rollout.gpu_model
-    ab_bench s34 "${S34_RESERVE:-150}" --batch-sizes 1,8,16,32 \
+    pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
+        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34)) or fused_rope_graph_decode or cuda_graph_decode_equals"
+    ab_bench s34 5 --batch-sizes 1,8,16,32 \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False" \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1" \
-        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2"
-    pytest_stage "s34 tests" 5 gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
-        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34)) or fused_rope_graph_decode or pdl_decode or cuda_graph_decode_equals or decode_model_matches or engine_triton_graphs" ;;
+        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
