@@ -78,7 +78,8 @@
 #             choice) and _GLU=2 (always), the planner's glu decisions from the plan file,
 #             then its GPU tests (random weights, no target needed)
 #   loop      session 33's decode-attention key-loop knobs (gpu_model.ROPE_ATTENTION_WRITE_FIRST,
-#             _OFF32, _SAME_STRIDES, _PAGES_AHEAD; all off, none timed over whole steps yet): the fused
+#             _OFF32, _SAME_STRIDES, _PAGES_AHEAD; timed in session 34, whose defaults changed the
+#             baseline these variants are set over: s34 compares against the old loop): the fused
 #             attention alone at 7B B=32 and 1.5B B=1 (tools/attention_sweep.py --only),
 #             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32 (and SAME_STRIDES), then their
 #             bit-for-bit GPU tests (random weights, no target needed; ~400 s)

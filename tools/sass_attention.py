@@ -56,16 +56,18 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
     warps = gpu_model.ROPE_ATTENTION_WARPS or (8 if programs * splits <= sms else 4)
     stages = gpu_model.ROPE_ATTENTION_STAGES or ta.decode_stages(max_context, splits, block_n,
                                                                  min_tiles)
+    write_first = ((2 if programs * splits > sms else 1)  # gpu_model.decode_write_first's rule
+                   if gpu_model.ROPE_ATTENTION_WRITE_FIRST is None
+                   else int(gpu_model.ROPE_ATTENTION_WRITE_FIRST))
     const = dict(NUM_HEADS=arch.num_heads, NUM_KV_HEADS=kvh, G=group, HEAD_DIM=arch.head_dim,
                  HALF=arch.head_dim // 2, D_PAD=max(16, 1 << (arch.head_dim - 1).bit_length()),
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, S=planes, HAS_BIAS=arch.qkv_bias,
                  SPLIT=splits > 1, MODE=ta.MODE_DECODE, WB=2, MERGE=merge, MIN_TILES=min_tiles,
                  PAGES_AHEAD=bool(gpu_model.ROPE_ATTENTION_PAGES_AHEAD),
-                 WRITE_FIRST=(2 if programs * splits > sms else 1)  # decode_write_first's rule
-                 if gpu_model.ROPE_ATTENTION_WRITE_FIRST is None
-                 else int(gpu_model.ROPE_ATTENTION_WRITE_FIRST),
+                 WRITE_FIRST=write_first,
                  OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32),
-                 SAME_STRIDES=bool(gpu_model.ROPE_ATTENTION_SAME_STRIDES), USE_PDL=True,
+                 SAME_STRIDES=(write_first == 2 if gpu_model.ROPE_ATTENTION_SAME_STRIDES is None
+                               else bool(gpu_model.ROPE_ATTENTION_SAME_STRIDES)), USE_PDL=True,
                  **{s: 1 for s in _UNIT_STRIDES})
     return const, warps, stages
 

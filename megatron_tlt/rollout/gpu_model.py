@@ -161,12 +161,14 @@ where every element offset of both caches fits (offsets_fit_int32; else 64, as b
 session 34; the same addresses, bit for bit): key loop 588 -> 423 instructions a warp with
 ROPE_ATTENTION_WRITE_FIRST=2 (sm_90 SASS of the 7B shape, tools/sass_attention.py). On by
 default since session 34 (timings: decode_write_first). Read at each launch, as NORM_WARPS."""
-ROPE_ATTENTION_SAME_STRIDES = True
+ROPE_ATTENTION_SAME_STRIDES: bool | None = None
 """Decode: where the value cache has the key cache's strides (the engine allocates them
 alike), the _rope_attention_kernel's key loop loads the values at the keys' offsets: key
 loop 423 -> 389 instructions a warp with WRITE_FIRST=2 and OFF32, 588 -> 485 with
-WRITE_FIRST=2 alone (sm_90 SASS of the 7B shape). The same addresses. On by default since
-session 34 (timings: decode_write_first). Read at each launch, as NORM_WARPS."""
+WRITE_FIRST=2 alone (sm_90 SASS of the 7B shape). The same addresses. None (the default
+since session 34): with WRITE_FIRST=2 only, the combination timed over whole steps and
+tested bit for bit on the GPU that session (timings: decode_write_first); with 1 it is
+interpreter-tested only. Read at each launch, as NORM_WARPS."""
 
 
 def decode_write_first(programs: int, device: torch.device | str) -> int:
@@ -183,6 +185,19 @@ def decode_write_first(programs: int, device: torch.device | str) -> int:
     (tools/attention_sweep.py, 28 layers' caches): 7B batch 32 18.99 -> 13.15 us a call,
     1.5B batch 1 7.20 -> 6.01 us with 2, where no kernel runs before it to overlap."""
     return 2 if programs > num_sms(device) else 1
+
+
+def decode_loop_knobs(programs: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+                      ) -> tuple[int, bool, bool]:
+    """(WRITE_FIRST, OFF32, SAME_STRIDES) of a decode attention launch of `programs`
+    programs over these caches: the module's knobs, None ones by their rules, each only
+    where the caches allow it (offsets that fit int32, equal strides)."""
+    wf = (decode_write_first(programs, k_cache.device) if ROPE_ATTENTION_WRITE_FIRST is None
+          else int(ROPE_ATTENTION_WRITE_FIRST))
+    off32 = bool(ROPE_ATTENTION_OFF32) and offsets_fit_int32(k_cache, v_cache)
+    same = k_cache.stride() == v_cache.stride() and (
+        wf == 2 if ROPE_ATTENTION_SAME_STRIDES is None else bool(ROPE_ATTENTION_SAME_STRIDES))
+    return wf, off32, same
 
 
 def offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -622,10 +637,9 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         raise ValueError(f"rope_attention: key tiles of {block_n} keys (need a power of two >= 16)")
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
-    write_first = 0
-    if mode == MODE_DECODE:
-        write_first = (decode_write_first(bsz * kvh * row_tiles * num_splits, qkv.device)
-                       if ROPE_ATTENTION_WRITE_FIRST is None else int(ROPE_ATTENTION_WRITE_FIRST))
+    write_first, off32, same_strides = (
+        decode_loop_knobs(bsz * kvh * row_tiles * num_splits, k_cache, v_cache)
+        if mode == MODE_DECODE else (0, False, False))
     _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
@@ -642,9 +656,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
         WRITE_FIRST=write_first,
-        OFF32=bool(ROPE_ATTENTION_OFF32) and mode == MODE_DECODE and offsets_fit_int32(k_cache, v_cache),
-        SAME_STRIDES=(bool(ROPE_ATTENTION_SAME_STRIDES) and mode == MODE_DECODE
-                      and k_cache.stride() == v_cache.stride()),
+        OFF32=off32, SAME_STRIDES=same_strides,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)

@@ -1061,7 +1061,9 @@ DECODE_LOOP_KNOBS = {"default": {}, "before-s34": dict(ROPE_ATTENTION_WRITE_FIRS
                      "off32-write-first": dict(ROPE_ATTENTION_OFF32=True, ROPE_ATTENTION_WRITE_FIRST=1),
                      "same-off32-write-all": dict(ROPE_ATTENTION_SAME_STRIDES=True,
                                                   ROPE_ATTENTION_OFF32=True,
-                                                  ROPE_ATTENTION_WRITE_FIRST=2)}
+                                                  ROPE_ATTENTION_WRITE_FIRST=2),
+                     "same-write-first": dict(ROPE_ATTENTION_SAME_STRIDES=True,
+                                              ROPE_ATTENTION_WRITE_FIRST=1)}
 
 
 @pytest.mark.parametrize("knobs", list(DECODE_LOOP_KNOBS))

@@ -263,6 +263,29 @@ def test_decode_write_first_follows_the_grid(monkeypatch):
     assert asked == [len(LONG_DECODE[0][1]) * LONG_DECODE[0][3] * 3]
 
 
+def test_decode_loop_knobs_defaults_and_overrides(monkeypatch):
+    """decode_loop_knobs: by default WRITE_FIRST by the grid, OFF32 where the offsets fit,
+    SAME_STRIDES with WRITE_FIRST=2 only (the combinations session 34 timed and GPU-tested)
+    and never for caches of unequal strides; set knobs are taken as given."""
+    from megatron_tlt.rollout import gpu_model
+    from megatron_tlt.rollout.triton_attention import num_sms
+    sms = num_sms("cpu")
+    kc = torch.zeros(4, 16, 2, 64)
+    other = kc.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    big = torch.empty((2 ** 31) // (16 * 2 * 64) + 1, 16, 2, 64, device="meta")
+    knobs = gpu_model.decode_loop_knobs
+    assert knobs(sms, kc, kc) == (1, True, False)
+    assert knobs(sms + 1, kc, kc) == (2, True, True)
+    assert knobs(sms + 1, kc, other) == (2, True, False)
+    assert knobs(sms + 1, big, big) == (2, False, True)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_SAME_STRIDES", True)
+    assert knobs(sms, kc, kc) == (1, True, True) and knobs(sms, kc, other) == (1, True, False)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_WRITE_FIRST", 0)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_OFF32", False)
+    monkeypatch.setattr(gpu_model, "ROPE_ATTENTION_SAME_STRIDES", False)
+    assert knobs(sms + 1, kc, kc) == (0, False, False)
+
+
 def test_same_strides_only_where_the_value_cache_shares_them(monkeypatch):
     """ROPE_ATTENTION_SAME_STRIDES loads the values at the keys' offsets only when the
     launch sees equal strides: a value cache laid out [blocks, kv heads, page, dim] (the
