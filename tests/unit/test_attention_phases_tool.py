@@ -64,6 +64,8 @@ RECORD = textwrap.dedent('''
     from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout import gpu_model
     from attention_sweep import case
+    from attention_phases import WRITE_FIRST_TIMED
+    gpu_model.ROPE_ATTENTION_WRITE_FIRST = WRITE_FIRST_TIMED  # the loop the tool times
     arch = ModelArch(**{**SHAPES["1.5b"], "num_layers": 1})
     qkv, pos, slots, cos, sin, bias, caches, meta = case(arch, 1, 40, 1, 16, 1, torch.device("cpu"))
     gpu_model.rope_attention(qkv, pos, slots, cos, sin, *caches[0], num_splits=2, **meta,

@@ -201,7 +201,8 @@ def test_decode_loop_knobs_equal_default(case, splits, knobs, monkeypatch):
     every tile, 2), ROPE_ATTENTION_OFF32 (32-bit cache offsets) and _SAME_STRIDES (the
     values at the keys' offsets) read the same keys in the same order: output and cache
     writes bit for bit those of the loop before session 34 (BEFORE_S34; "defaults": today's
-    defaults, decode_write_first's choice with OFF32 and SAME_STRIDES), at
+    defaults, decode_loop_knobs' choice: on these CPU grids WRITE_FIRST=2 with OFF32 and
+    SAME_STRIDES), at
     contexts of several key tiles (float32: 32-key tiles; 70 keys in one split: three; the
     new token past the first tile). Negative control: a block table shifted by one entry
     past the first tile (what loading the wrong tile's entries would read) changes the
