@@ -7,9 +7,10 @@ A CUDA graph of one call per layer (each layer its own KV cache, so the keys com
 HBM as in a decode step, not from L2) is replayed; printed: microseconds per call, the
 KV bytes per call over that time, and the ratio to the default setting timed in the same
 run. Settings: split counts, warps, pipelining stages, key-tile sizes (block_n), the key
-loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32, _SAME_STRIDES; each
-setting leaves the knobs it does not name at their defaults; "before session 34" sets the
-last three as they were then; --only picks settings by name), and an empty kernel's per-launch floor. A benchmark, not a test: it asserts nothing about time;
+loop's knobs (gpu_model.ROPE_ATTENTION_PAGES_AHEAD, _WRITE_FIRST, _OFF32, _SAME_STRIDES;
+each setting leaves the knobs it does not name at their defaults; "before session 34" sets
+the last three as they were then; --only picks settings by name), and an empty kernel's
+per-launch floor. A benchmark, not a test: it asserts nothing about time;
 every setting's output is checked equal to the default's (the same math, bit for bit,
 for settings that keep the split layout; others only reported as max |diff|).
 """

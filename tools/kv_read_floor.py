@@ -11,8 +11,8 @@ the next tile's block-table entries loaded one iteration ahead; 2: the next tile
 too (register double buffer). A benchmark: asserts nothing; `same` checks each variant's
 sums against the first. Session 33 (H100): 8.4-11.2 us at the 7B shape, batch 32, against
 16-19 us for the attention itself (benchmarks/results/gpu_2026-12-06_session33)."""
-import sys, torch, triton, triton.language as tl
-sys.path.insert(0, "tools")
+import os, sys, torch, triton, triton.language as tl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # attention_sweep, from any cwd
 from attention_sweep import case, time_graph
 from megatron_tlt.bench import SHAPES
 from megatron_tlt.models.arch import ModelArch
@@ -98,4 +98,5 @@ def main():
                           f"{us:6.2f} us/call {kv_bytes / us / 1e3:7.1f} GB/s same={ok}", flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -6,8 +6,8 @@ split count for a 312-key engine maximum) for a profiler to pick out:
 
 (session 33: 7b 32 2 and 1.5b 1 1 on an H100, benchmarks/results/gpu_2026-12-06_session33).
 """
-import sys, torch
-sys.path.insert(0, "tools")
+import os, sys, torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # attention_sweep, from any cwd
 from attention_sweep import case
 from megatron_tlt.bench import SHAPES
 from megatron_tlt.models.arch import ModelArch

@@ -223,6 +223,9 @@ def _kv_at(k_ptr, v_ptr, page, kvh, n0, end, d, d_ok, stride_kb, stride_ks, stri
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
                 + d[None, :], mask=kv_mask, other=0.0)
+    # Each load spells out its pointer expression (ptr + offsets[:, None] + d[None, :]): a
+    # shared `k_off` for both, tried in session 34, grouped the sum differently and gave
+    # the 7B batch-32 key loop 393 instructions instead of 389 (tools/sass_attention.py).
     if SAME_STRIDES:  # the value cache has the key cache's strides: the keys' offsets
         v = tl.load(v_ptr + (page * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0)
