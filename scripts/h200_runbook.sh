@@ -398,7 +398,7 @@ PYEOF
   s34)
     G=megatron_tlt.rollout.gpu_model
     pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
-        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34)) or fused_rope_graph_decode or cuda_graph_decode_equals"
+        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals"
     ab_bench s34 5 --batch-sizes 1,8,16,32 \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False" \
         --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1" \
