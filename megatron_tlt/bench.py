@@ -769,7 +769,7 @@ def main(args: argparse.Namespace) -> int:
     log(f"bandwidth: copy {bw['copy_rw_GBps']:.0f} GB/s (read+write), read-only "
         f"{bw['read_GBps']:.0f} GB/s -> roofline {bw['roofline_GBps']:.0f} GB/s")
     rows, hf_rows, errors, plans = [], [], [], {}
-    for s in shapes:
+    for i, s in enumerate(shapes):
         try:
             r, h, p = run_shape(s, opts, plan, log)
         except Exception as e:  # noqa: BLE001 - the other shapes still run; reported below
@@ -781,6 +781,55 @@ def main(args: argparse.Namespace) -> int:
         rows += r
         hf_rows += h
         plans.update(p)
+        if getattr(args, "json", None) and i + 1 < len(shapes):
+            # the shapes done so far, so a time limit or a crash in a later shape loses none
+            # of them ("complete": false; the final write below replaces it)
+            part = _report(args, opts, plan, shapes, bw, rows, hf_rows, plans, errors, start)
+            part["complete"] = False
+            _write_json(args.json, part)
+    report = _report(args, opts, plan, shapes, bw, rows, hf_rows, plans, errors, start)
+    _print_table(rows)
+    if getattr(args, "json", None):
+        _write_json(args.json, report)
+        log(f"wrote {args.json}")
+    for e in report["errors"]:
+        log(f"ERROR {e}")
+    log(f"bench rollout finished in {report['wall_s']:.1f}s"
+        + (f" with {len(report['errors'])} error(s)" if report["errors"] else ""))
+    return 1 if report["errors"] else 0
+
+
+def _print_table(rows: list[dict]) -> None:
+    """The run's table, one line per shape and batch, then the A/B variants side by side."""
+    header = (f"{'shape':>5} {'B':>4} {'decode_ms':>9} {'tok/s':>9} {'roof_ms':>8} {'of_roof':>7} "
+              f"{'engine_ms':>9} {'hf_ms':>7} {'hf/decode':>9} {'hf/engine':>9}")
+    print(header)
+    for r in rows:
+        print(f"{r['shape']:>5} {r['batch']:>4} {_fmt(r['decode_ms']):>9} "
+              f"{_fmt(r['decode_tokens_per_s'], '.0f'):>9} {r['roofline_ms']:>8.3f} "
+              f"{_fmt(r['of_roofline'], '.2f'):>7} {_fmt(r['engine_ms_per_step']):>9} "
+              f"{_fmt(r['hf_ms_per_step']):>7} {_fmt(r['hf_over_decode'], '.2f'):>9} "
+              f"{_fmt(r['hf_over_engine'], '.2f'):>9}")
+    for line in variant_table(rows):
+        print(line)
+
+
+def _write_json(path: str, report: dict) -> None:
+    """Write `report` to `path` whole or not at all (a temporary file renamed over it)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def _report(args: argparse.Namespace, opts: argparse.Namespace, plan, shapes: list[str],
+            bw: dict, rows: list[dict], hf_rows: list[dict], plans: dict, errors: list[str],
+            start: float) -> dict:
+    """The run's JSON report of the shapes timed so far (`rows` gain roofline_ms,
+    of_roofline and the HF ratios in place)."""
+    errors = list(errors)
     errors += [f"{r['shape']} B={r['batch']}: {e}" for r in rows for e in r["errors"]]
     errors += [f"{h['shape']} HF: {h['error']}" for h in hf_rows if "error" in h]
     hf_ms: dict[tuple, dict[str, float]] = {}
@@ -806,17 +855,6 @@ def main(args: argparse.Namespace) -> int:
         row["hf_over_decode"] = ratio(hf, row["decode_ms"])
         row["hf_over_engine"] = ratio(hf, row["engine_ms_per_step"])
 
-    header = (f"{'shape':>5} {'B':>4} {'decode_ms':>9} {'tok/s':>9} {'roof_ms':>8} {'of_roof':>7} "
-              f"{'engine_ms':>9} {'hf_ms':>7} {'hf/decode':>9} {'hf/engine':>9}")
-    print(header)
-    for r in rows:
-        print(f"{r['shape']:>5} {r['batch']:>4} {_fmt(r['decode_ms']):>9} "
-              f"{_fmt(r['decode_tokens_per_s'], '.0f'):>9} {r['roofline_ms']:>8.3f} "
-              f"{_fmt(r['of_roofline'], '.2f'):>7} {_fmt(r['engine_ms_per_step']):>9} "
-              f"{_fmt(r['hf_ms_per_step']):>7} {_fmt(r['hf_over_decode'], '.2f'):>9} "
-              f"{_fmt(r['hf_over_engine'], '.2f'):>9}")
-    for line in variant_table(rows):
-        print(line)
     report = {
         "command": _command(args),
         "git_revision": _git_revision(),
@@ -882,16 +920,7 @@ def main(args: argparse.Namespace) -> int:
         "hf": hf_rows,
         "linear_plans": plans,
         "errors": errors,
+        "complete": True,
         "wall_s": time.perf_counter() - start,
     }
-    if getattr(args, "json", None):
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        log(f"wrote {args.json}")
-    for e in errors:
-        log(f"ERROR {e}")
-    log(f"bench rollout finished in {report['wall_s']:.1f}s"
-        + (f" with {len(errors)} error(s)" if errors else ""))
-    return 1 if errors else 0
+    return report

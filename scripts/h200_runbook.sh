@@ -115,10 +115,13 @@ pytest_stage() {
 }
 
 ab_bench() {  # ab_bench NAME RESERVE_S ARGS...: bench rollout (1.5B / 7B, batch 1 / 8 / 32, no HF)
+  # the whole log in RESULTS (a run cut by the time limit keeps its per-batch lines there, and
+  # the JSON the shapes it finished); its table and errors printed
   local name=$1 reserve=$2; shift 2
   timeout "$(upto "$reserve")" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_$name.json" \
-      --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf "$@" 2>&1 | grep -E "^ *(shape|1.5b|7b) |rror" | tail -n 16
-  echo "[runbook] $name bench: rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
+      --shapes 1.5b,7b --batch-sizes 1,8,32 --no-hf "$@" > "$RESULTS/bench_rollout_$name.log" 2>&1
+  echo "[runbook] $name bench: rc=$? at $(( $(date +%s) - t0 )) s"
+  grep -E "^ *(shape|1.5b|7b) |rror" "$RESULTS/bench_rollout_$name.log" | tail -n 16
 }
 
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \

@@ -136,3 +136,32 @@ def test_bench_bad_input(tmp_path, capsys):
     assert "--hf-modes takes compiled and/or eager" in capsys.readouterr().err
     assert main(["bench", "e2e"]) == 2
     assert "not implemented" in capsys.readouterr().err
+
+
+def test_bench_rollout_keeps_the_shapes_done_when_a_later_one_dies(tmp_path, monkeypatch):
+    """A run cut short (a time limit, a crash the shape loop cannot catch) leaves the JSON of
+    the shapes already timed, marked incomplete; a run that ends says complete."""
+    from megatron_tlt import bench
+    real, calls = bench.run_shape, []
+
+    def run_shape(name, *a, **k):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # not an Exception: the shape loop does not catch it
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(bench, "run_shape", run_shape)
+    path = tmp_path / "bench.json"
+    args = ["bench", "rollout", "--json", str(path), *TINY, "--batch-sizes", "1", "--no-hf"]
+    args[args.index("tiny")] = "tiny,tiny"
+    from megatron_tlt.cli import EXIT_INTERRUPTED
+    assert main(args) == EXIT_INTERRUPTED
+    report = json.loads(path.read_text())
+    assert report["complete"] is False and report["errors"] == []
+    assert [(r["shape"], r["batch"]) for r in report["results"]] == [("tiny", 1)]
+    assert report["results"][0]["of_roofline"] is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left
+    monkeypatch.setattr(bench, "run_shape", real)
+    assert main(args) == 0
+    report = json.loads(path.read_text())
+    assert report["complete"] is True and len(report["results"]) == 2
