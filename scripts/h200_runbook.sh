@@ -86,7 +86,7 @@
 #   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES): their
 #             decode GPU tests (S34_RESERVE s left for what follows, default 150), then bench
 #             rollout at batch 1 / 8 / 16 / 32 against the loop before them and against
-#             WRITE_FIRST 1 / 2 everywhere (~250 s)
+#             WRITE_FIRST 1 / 2 everywhere (~250 s; S34_SHORT=1: against the loop before only)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -402,10 +402,10 @@ PYEOF
     G=megatron_tlt.rollout.gpu_model
     pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
         "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals"
-    ab_bench s34 5 --batch-sizes 1,8,16,32 \
-        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False" \
-        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1" \
-        --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2" ;;
+    cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False")
+    [ "${S34_SHORT:-0}" = 1 ] || cmp+=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1"
+                                      --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2")
+    ab_bench s34 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
