@@ -911,6 +911,8 @@ def _report(args: argparse.Namespace, opts: argparse.Namespace, plan, shapes: li
             "decode_ms_attrI": "decode_ms with the I-th --compare-attr setting (row attrI "
                                "names it: MODULE:NAME=VALUE) and every other setting as "
                                "decode_ms ran",
+            "complete": "false in the JSON written after each shape but the last (the shapes "
+                        "timed so far); true once the run has ended",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
                             "the microseconds it timed for each candidate; entries with "
                             "'fused' (norm / silu): the prologue-fused config chosen (None: "

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():  # the triton-backend case runs the kernels interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megatron_tlt.cli import main  # noqa: E402
+from megatron_tlt.cli import EXIT_INTERRUPTED, main  # noqa: E402
 
 TINY = ["--shapes", "tiny", "--steps", "2", "--repeats", "1", "--warmup", "1",
         "--prompt-len", "8", "--device", "cpu"]
@@ -154,7 +154,6 @@ def test_bench_rollout_keeps_the_shapes_done_when_a_later_one_dies(tmp_path, mon
     path = tmp_path / "bench.json"
     args = ["bench", "rollout", "--json", str(path), *TINY, "--batch-sizes", "1", "--no-hf"]
     args[args.index("tiny")] = "tiny,tiny"
-    from megatron_tlt.cli import EXIT_INTERRUPTED
     assert main(args) == EXIT_INTERRUPTED
     report = json.loads(path.read_text())
     assert report["complete"] is False and report["errors"] == []
