@@ -98,14 +98,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
                      stride_o, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RES_READ: tl.constexpr = True, USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)  # first: rollout/pdl.py
-    row = tl.program_id(0).to(tl.int64)
+                     RES_READ: tl.constexpr = True, USE_PDL: tl.constexpr = False,
+                     EARLY_W: tl.constexpr = False):
     cols = tl.arange(0, BLOCK)
     ok = cols < N
+    if EARLY_W:  # weights only (never written in a forward): before the wait (NORM_EARLY_WEIGHT)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)  # first but for EARLY_W's weight loads: rollout/pdl.py
+    row = tl.program_id(0).to(tl.int64)
     x = _sum_planes(x_ptr + row * stride_x, stride_xs, cols, ok, S)
     if HAS_BIAS:  # the projection's bias, added before its output is rounded
-        x += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if not EARLY_W:
+            bias = tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        x += bias
     x = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection output's rounding
     if HAS_RESIDUAL:
         if RES_READ:  # residual += x
@@ -117,7 +124,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, stride_xs, stride_x,
         x = s.to(tl.float32)
     var = tl.sum(x * x, 0) / N
     normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if not EARLY_W:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -128,6 +136,16 @@ it was 4 up to 2048 columns, else 8: 16 was 1.018x-1.029x faster at the 1.5B sha
 1 / 8 / 32, and 1.002x-1.008x at the 7B shape, H100, bench rollout --compare-attr,
 benchmarks/results/gpu_2026-12-06_session26). Read at each launch, so an A/B run can set
 it (--compare-attr megatron_tlt.rollout.gpu_model:NORM_WARPS=4; graphs recaptured)."""
+NORM_EARLY_WEIGHT = False
+"""_rms_norm_kernel loads its weight (and the projection's bias) before the PDL wait instead
+of after the row's sum of squares: the same values, so the same bits; the weight's trip to
+L2 then overlaps the previous kernel's tail instead of following the reduction's barriers
+(sm_90 SASS, `python tools/sass_norm.py [--early]`, 1536 columns, 16 warps: its LDG
+comes after the reduction's second BAR.SYNC without, before the ACQBULK wait with; 136
+instructions both). Weights are written only outside a forward (rollout/pdl.py).
+Off until timed over whole steps (bench rollout --compare-attr
+megatron_tlt.rollout.gpu_model:NORM_EARLY_WEIGHT=True; runbook stage s34). Read at each
+launch, as NORM_WARPS."""
 ROPE_ATTENTION_WARPS: int | None = None
 """Warps of a _rope_attention_kernel program; None: triton_attention.decode_warps in
 decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read at each
@@ -265,6 +283,7 @@ def rms_norm(x: torch.Tensor,  # [T, N], or [S, T, N] partial-sum planes of a pr
                            float(eps), N=n, BLOCK=block, S=s,
                            HAS_RESIDUAL=residual is not None or sum_out is not None,
                            HAS_BIAS=bias is not None, RES_READ=sum_out is None,
+                           EARLY_W=bool(NORM_EARLY_WEIGHT),
                            num_warps=NORM_WARPS or norm_warps(block), **pdl.kwargs())
     return out
 

@@ -123,6 +123,31 @@ def test_rms_norm_sum_out_starts_a_residual_stream():
         rms_norm(planes, w, 1e-6, residual=zero, sum_out=start)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_early_weight_is_bit_for_bit(dtype, monkeypatch):
+    """NORM_EARLY_WEIGHT (the weight and bias loaded before the PDL wait) gives the same
+    bits as the default order, with planes, bias and residual; the residual too. A weight
+    changed by one ulp in one column changes the output (the comparison can fail)."""
+    from megatron_tlt.rollout import gpu_model
+    g = torch.Generator().manual_seed(3)
+    planes = torch.randn(3, 5, 96, generator=g)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    r0 = torch.randn(5, 96, generator=g).to(dtype)
+
+    def run(weight, early):
+        monkeypatch.setattr(gpu_model, "NORM_EARLY_WEIGHT", early)
+        r = r0.clone()
+        return rms_norm(planes, weight, 1e-6, residual=r, bias=b), r
+
+    (a, ra), (e, re) = run(w, False), run(w, True)
+    assert torch.equal(a, e) and torch.equal(ra, re) and not torch.equal(ra, r0)
+    w1 = w.clone()
+    w1[7] = torch.nextafter(w1[7].float(), torch.tensor(9.0)).to(dtype) if dtype == torch.float32 \
+        else (w1[7].float() * 1.01).to(dtype)
+    assert not torch.equal(run(w1, True)[0], a)
+
+
 @pytest.mark.parametrize("cfg", [LinearConfig("dot", block_m=16, block_n=16, block_k=32, splits=3),
                                  LinearConfig("fma", block_m=1, block_n=8, block_k=32, splits=2)], ids=str)
 def test_fused_prologues_equal_the_separate_kernels(cfg):
