@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -56,24 +57,29 @@ def launch_settings(arch: ModelArch, batch: int, max_context: int, sms: int = 13
     warps = gpu_model.ROPE_ATTENTION_WARPS or (8 if programs * splits <= sms else 4)
     stages = gpu_model.ROPE_ATTENTION_STAGES or ta.decode_stages(max_context, splits, block_n,
                                                                  min_tiles)
-    write_first = ((2 if programs * splits > sms else 1)  # gpu_model.decode_write_first's rule
-                   if gpu_model.ROPE_ATTENTION_WRITE_FIRST is None
-                   else int(gpu_model.ROPE_ATTENTION_WRITE_FIRST))
+    # caches the engine would allocate (same strides for K and V), shapes only
+    cache = torch.empty(batch * -(-max_context // 16), 16, kvh, arch.head_dim,
+                        dtype=torch.bfloat16, device="meta")
+    write_first, off32, same_strides = gpu_model.decode_loop_knobs(programs * splits, cache, cache,
+                                                                   sms)
     const = dict(NUM_HEADS=arch.num_heads, NUM_KV_HEADS=kvh, G=group, HEAD_DIM=arch.head_dim,
                  HALF=arch.head_dim // 2, D_PAD=max(16, 1 << (arch.head_dim - 1).bit_length()),
                  BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, S=planes, HAS_BIAS=arch.qkv_bias,
                  SPLIT=splits > 1, MODE=ta.MODE_DECODE, WB=2, MERGE=merge, MIN_TILES=min_tiles,
                  PAGES_AHEAD=bool(gpu_model.ROPE_ATTENTION_PAGES_AHEAD),
                  WRITE_FIRST=write_first,
-                 OFF32=bool(gpu_model.ROPE_ATTENTION_OFF32),
-                 SAME_STRIDES=(write_first == 2 if gpu_model.ROPE_ATTENTION_SAME_STRIDES is None
-                               else bool(gpu_model.ROPE_ATTENTION_SAME_STRIDES)), USE_PDL=True,
+                 OFF32=off32, SAME_STRIDES=same_strides, USE_PDL=True,
                  **{s: 1 for s in _UNIT_STRIDES})
     return const, warps, stages
 
 
-def compile_sm90(const: dict, warps: int, stages: int):
-    fn = gpu_model._rope_attention_kernel
+def compile_sm90(const: dict, warps: int, stages: int, fn=None, pointers: dict | None = None,
+                 floats: tuple[str, ...] = ("scale_log2",)):
+    """Compile `fn` (default: the fused decode attention) for sm_90: `const` its constexprs,
+    `pointers` its pointer arguments' types (default: the attention's), `floats` its fp32
+    scalars; other arguments i32, strides divisible by 16."""
+    fn = fn or gpu_model._rope_attention_kernel
+    pointers = _POINTERS if pointers is None else pointers
     sig, attrs = {}, {}
     const = dict(const)
     for param in fn.params:  # constexprs the launch leaves at their defaults
@@ -84,9 +90,9 @@ def compile_sm90(const: dict, warps: int, stages: int):
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
-        elif name in _POINTERS:
-            sig[name], attrs[(i,)] = _POINTERS[name], [["tt.divisibility", 16]]
-        elif name == "scale_log2":
+        elif name in pointers:
+            sig[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
+        elif name in floats:
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -4,7 +4,7 @@
 
 Compiles gpu_model._rms_norm_kernel as a decode step launches it under PDL (residual add,
 `--planes` split-K partial-sum planes in, `--early`: NORM_EARLY_WEIGHT's load order) for an
-H100/H200 with Triton's bundled ptxas and cuobjdump (tools/sass_attention.py's helpers),
+H100/H200 with Triton's bundled ptxas and cuobjdump (tools/sass_attention.py's compile_sm90),
 and prints its instruction count and, in program order, its global loads and stores, the
 PDL wait (ACQBULK), the trigger (PREEXIT) and the barriers: where the weight's load sits
 against the wait and the reduction's barriers. Counting, not timing.
@@ -17,12 +17,8 @@ import os
 import sys
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_attention import opcode, sass_of  # noqa: E402
+from sass_attention import compile_sm90, opcode, sass_of  # noqa: E402
 
 from megatron_tlt.rollout import gpu_model  # noqa: E402
 
@@ -30,24 +26,13 @@ _SHOWN = ("LDG", "STG", "BAR", "ACQBULK", "PREEXIT")
 
 
 def compile_norm(columns: int, planes: int, bias: bool, early: bool, warps: int):
-    fn = gpu_model._rms_norm_kernel
     const = dict(N=columns, BLOCK=max(16, 1 << (columns - 1).bit_length()), S=planes,
                  HAS_RESIDUAL=True, HAS_BIAS=bias, RES_READ=True, USE_PDL=True, EARLY_W=early)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):  # the planes are float32, the rest the model's bf16
-            sig[name] = "*fp32" if name == "x_ptr" else "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "eps":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": 1})
+    # the planes are float32, the rest the model's bf16
+    pointers = {"x_ptr": "*fp32", "res_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                "out_ptr": "*bf16"}
+    return compile_sm90(const, warps, 1, fn=gpu_model._rms_norm_kernel, pointers=pointers,
+                        floats=("eps",))
 
 
 def main() -> None:

@@ -189,7 +189,7 @@ tested bit for bit on the GPU that session (timings: decode_write_first); with 1
 interpreter-tested only. Read at each launch, as NORM_WARPS."""
 
 
-def decode_write_first(programs: int, device: torch.device | str) -> int:
+def decode_write_first(programs: int, device: torch.device | str | int) -> int:
     """The decode attention's WRITE_FIRST where ROPE_ATTENTION_WRITE_FIRST is None: 2 (no
     key tile loaded before the PDL wait; the fewest instructions a tile) where the grid has
     more programs than SMs, else 1 (the first tile still loaded before the wait). Session
@@ -201,16 +201,19 @@ def decode_write_first(programs: int, device: torch.device | str) -> int:
     where the tile loaded before the wait is the overlap PDL buys); WRITE_FIRST=1 with
     OFF32 there 1.003x / 1.010x (7B, batch 1 / 8: 1.000x). The fused attention alone
     (tools/attention_sweep.py, 28 layers' caches): 7B batch 32 18.99 -> 13.15 us a call,
-    1.5B batch 1 7.20 -> 6.01 us with 2, where no kernel runs before it to overlap."""
-    return 2 if programs > num_sms(device) else 1
+    1.5B batch 1 7.20 -> 6.01 us with 2, where no kernel runs before it to overlap.
+    `device` may be an SM count (tools/sass_attention.py's H100/H200 without a GPU)."""
+    return 2 if programs > (device if isinstance(device, int) else num_sms(device)) else 1
 
 
-def decode_loop_knobs(programs: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-                      ) -> tuple[int, bool, bool]:
+def decode_loop_knobs(programs: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      device: torch.device | str | int | None = None) -> tuple[int, bool, bool]:
     """(WRITE_FIRST, OFF32, SAME_STRIDES) of a decode attention launch of `programs`
     programs over these caches: the module's knobs, None ones by their rules, each only
-    where the caches allow it (offsets that fit int32, equal strides)."""
-    wf = (decode_write_first(programs, k_cache.device) if ROPE_ATTENTION_WRITE_FIRST is None
+    where the caches allow it (offsets that fit int32, equal strides). `device` (default:
+    the caches'): decode_write_first's."""
+    device = k_cache.device if device is None else device
+    wf = (decode_write_first(programs, device) if ROPE_ATTENTION_WRITE_FIRST is None
           else int(ROPE_ATTENTION_WRITE_FIRST))
     off32 = bool(ROPE_ATTENTION_OFF32) and offsets_fit_int32(k_cache, v_cache)
     same = k_cache.stride() == v_cache.stride() and (
