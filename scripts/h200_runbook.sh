@@ -84,10 +84,11 @@
 #             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32 (and SAME_STRIDES), then their
 #             bit-for-bit GPU tests (random weights, no target needed; ~400 s)
 #   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES): their
-#             decode GPU tests and session 35's NORM_EARLY_WEIGHT's (S34_RESERVE s left for
-#             what follows, default 150), then bench rollout at batch 1 / 8 / 16 / 32 against
-#             the loop before them, NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere
-#             (~300 s; S34_SHORT=1: against the loop before only)
+#             decode GPU tests, session 35's NORM_EARLY_WEIGHT's and session 36's NORM_EPILOGUE's
+#             (S34_RESERVE s left for what follows, default 150), then bench rollout at batch
+#             1 / 8 / 16 / 32 against the loop before them, NORM_EPILOGUE=True,
+#             NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere (~360 s; S34_SHORT=1:
+#             against the loop before and NORM_EPILOGUE only)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -402,8 +403,9 @@ PYEOF
   s34)
     G=megatron_tlt.rollout.gpu_model
     pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
-        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight"
-    cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False")
+        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight or norm_epilogue"
+    cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False"
+         --compare-attr "$G:NORM_EPILOGUE=True")
     [ "${S34_SHORT:-0}" = 1 ] || cmp+=(--compare-attr "$G:NORM_EARLY_WEIGHT=True"
                                       --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1"
                                       --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2")
