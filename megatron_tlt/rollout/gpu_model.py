@@ -824,6 +824,13 @@ class DecodeModel:
         return norm_linear(self.planner, h, residual, norm_weight, self.arch.rms_norm_eps, weight,
                            bias=bias)
 
+    def _linear_norm(self, x, weight, norm: NormEpilogue | None):
+        """(planes, y): `norm` in the projection's epilogue (linear_maybe_norm), or
+        (self._linear's planes, None) without one."""
+        if norm is None:
+            return self._linear(x, weight), None
+        return linear_maybe_norm(self.planner, x, weight, norm)
+
     def _epilogue(self, index: int, residual: torch.Tensor, norm_weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> NormEpilogue | None:
         """The `index`-th norm of the forward as a projection's epilogue (NORM_EPILOGUE)."""
@@ -907,7 +914,7 @@ class DecodeModel:
                                     **attn_kw)
             o = o.view(o.shape[0], -1)
             norm = self._epilogue(2 * layer, residual, lw.post_attn_norm, lw.o_bias)
-            h, y = linear_maybe_norm(plan, o, lw.o_weight, norm)
+            h, y = self._linear_norm(o, lw.o_weight, norm)
             glu = plan.glu_config(residual, lw.gate_up_weight)
             if glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
                 if y is None:
@@ -923,7 +930,7 @@ class DecodeModel:
             nxt = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm
             norm = self._epilogue(2 * layer + 1, residual, nxt)
             if glu is not None:
-                h, y = linear_maybe_norm(plan, gate_up, lw.down_weight, norm)
+                h, y = self._linear_norm(gate_up, lw.down_weight, norm)
             else:
                 h, y = silu_linear(plan, gate_up, lw.down_weight, residual.dtype, norm=norm) if norm \
                     else (silu_linear(plan, gate_up, lw.down_weight, residual.dtype), None)
