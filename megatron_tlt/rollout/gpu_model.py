@@ -17,6 +17,9 @@ partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul
 take planes), so split-K costs no extra kernel and no atomics. At batch 1 the planner may
 also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
 SiLU * mul into the down projection's (when it times that faster than two kernels).
+With NORM_EPILOGUE (opt-in) the add+RMSNorm after the O and down projections runs in
+their epilogue instead (the last program of the projection to finish), two launches
+fewer a layer.
 By default (MEGATRON_TLT_FUSED_ROPE=0 turns it off) a decode step or verify forward of a
 model without q/k-norm also folds the RoPE + K/V-write kernel into the attention kernel
 (`rope_attention`: every program computes its own query rows' RoPE; the programs holding
