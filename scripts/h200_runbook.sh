@@ -89,6 +89,9 @@
 #             1 / 8 / 16 / 32 against the loop before them, NORM_EPILOGUE=True,
 #             NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere (~360 s; S34_SHORT=1:
 #             against the loop before and NORM_EPILOGUE only)
+#   s36       s34 on an H100; on an H200 the issue's benchmark (`bench rollout --json`, every
+#             shape and batch, HF included) first, with S36_RESERVE s (default 260) left for
+#             s34's short A/B after it (its tests then wait for another call: S34_TESTS=0)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -400,9 +403,18 @@ PYEOF
         --compare-attr "$G:ROPE_ATTENTION_OFF32=True"
     pytest_stage "loop tests" 5 gpu_tests_loop.log tests/gpu/test_engine_gpu.py \
         -k "rope_attention_equals_separate or full_grid_minimum_fused" ;;
-  s34)
+  s34|s36)
     G=megatron_tlt.rollout.gpu_model
-    pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
+    if [ "$STAGE" = s36 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      # on an H200 the issue's benchmark with its defaults first (HF included; the H200
+      # fractions were session 27's), then the short form of s34
+      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout \
+          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
+      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
+      grep -E "^ *(shape|1.5b|7b|hf|HF) |rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 20
+      S34_SHORT=1 S34_TESTS=0
+    fi
+    [ "${S34_TESTS:-1}" = 0 ] || pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
         "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight or norm_epilogue"
     cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False"
          --compare-attr "$G:NORM_EPILOGUE=True")
@@ -416,6 +428,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 gputests)" ;;
 esac
 exit 0
