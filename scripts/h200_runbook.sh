@@ -84,14 +84,15 @@
 #             bench rollout against WRITE_FIRST=1 / 2 with and without OFF32 (and SAME_STRIDES), then their
 #             bit-for-bit GPU tests (random weights, no target needed; ~400 s)
 #   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES): their
-#             decode GPU tests, session 35's NORM_EARLY_WEIGHT's and session 36's NORM_EPILOGUE's
-#             (S34_RESERVE s left for what follows, default 150), then bench rollout at batch
-#             1 / 8 / 16 / 32 against the loop before them, NORM_EPILOGUE=True,
-#             NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere (~360 s; S34_SHORT=1:
-#             against the loop before and NORM_EPILOGUE only)
-#   s36       s34 on an H100; on an H200 the issue's benchmark (`bench rollout --json`, every
-#             shape and batch, HF included) first, with S36_RESERVE s (default 260) left for
-#             s34's short A/B after it (its tests then wait for another call: S34_TESTS=0)
+#             decode GPU tests and session 35's NORM_EARLY_WEIGHT's (S34_RESERVE s left for
+#             what follows, default 150), then bench rollout at batch 1 / 8 / 16 / 32 against
+#             the loop before them, NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere
+#             (~300 s; S34_SHORT=1: against the loop before only). Ran in session 36 (H100).
+#   s36       the defaults since session 36 (NORM_EARLY_WEIGHT on): on an H200 the issue's
+#             benchmark (`bench rollout --json`, every shape and batch, HF included) first,
+#             with S36_RESERVE s (default 260) left for the A/B after it; then bench rollout at
+#             batch 1 / 8 / 16 / 32 against NORM_EARLY_WEIGHT=False and the L2 prefetch's
+#             8 MB (16 MB too on an H100, where the decode GPU tests of the norm run first)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -403,25 +404,29 @@ PYEOF
         --compare-attr "$G:ROPE_ATTENTION_OFF32=True"
     pytest_stage "loop tests" 5 gpu_tests_loop.log tests/gpu/test_engine_gpu.py \
         -k "rope_attention_equals_separate or full_grid_minimum_fused" ;;
-  s34|s36)
+  s34)
     G=megatron_tlt.rollout.gpu_model
-    if [ "$STAGE" = s36 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      # on an H200 the issue's benchmark with its defaults first (HF included; the H200
-      # fractions were session 27's), then the short form of s34
-      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout \
-          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
-      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
-      grep -E "^ *(shape|1.5b|7b|hf|HF) |rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 20
-      S34_SHORT=1 S34_TESTS=0
-    fi
-    [ "${S34_TESTS:-1}" = 0 ] || pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
-        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight or norm_epilogue"
-    cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False"
-         --compare-attr "$G:NORM_EPILOGUE=True")
+    pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
+        "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight"
+    cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False")
     [ "${S34_SHORT:-0}" = 1 ] || cmp+=(--compare-attr "$G:NORM_EARLY_WEIGHT=True"
                                       --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1"
                                       --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2")
     ab_bench s34 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
+  s36)
+    G=megatron_tlt.rollout.gpu_model
+    cmp=(--compare-attr "$G:NORM_EARLY_WEIGHT=False" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8")
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout \
+          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
+      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
+      grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
+    else
+      pytest_stage "s36 tests" "${S36_RESERVE:-300}" gpu_tests_s36.log tests/gpu/test_engine_gpu.py -k \
+          "norm or cuda_graph_decode_equals or pdl_decode or fused_rope_graph_decode"
+      cmp+=(--compare-attr "$G:ATTN_L2_PREFETCH_MB=16")
+    fi
+    ab_bench s36 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \

@@ -17,9 +17,6 @@ partial-sum planes that the next small kernel adds up (RMSNorm, RoPE, SiLU * mul
 take planes), so split-K costs no extra kernel and no atomics. At batch 1 the planner may
 also fold the residual add + RMSNorm into the QKV and gate_up projections' prologue, and
 SiLU * mul into the down projection's (when it times that faster than two kernels).
-With NORM_EPILOGUE (opt-in) the add+RMSNorm after the O and down projections runs in
-their epilogue instead (the last program of the projection to finish), two launches
-fewer a layer.
 By default (MEGATRON_TLT_FUSED_ROPE=0 turns it off) a decode step or verify forward of a
 model without q/k-norm also folds the RoPE + K/V-write kernel into the attention kernel
 (`rope_attention`: every program computes its own query rows' RoPE; the programs holding
@@ -53,19 +50,14 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    block_n_for, decode_stages, attention_warps, num_sms,
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
-from megatron_tlt.rollout.triton_linear import (LinearPlanner, NormEpilogue, glu_linear, linear_into,
-                                                linear_norm_partials, linear_partials,
-                                                norm_epilogue_ok, norm_linear_partials,
+from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
+                                                linear_partials, norm_linear_partials,
                                                 silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
 
 FUSED_ROPE_ENV = "MEGATRON_TLT_FUSED_ROPE"
-
-
-_EPILOGUE_TILES = 64
-"""Row tiles a NORM_EPILOGUE norm has tickets for (a projection with more keeps rms_norm)."""
 
 
 def _next_pow2(x: int) -> int:
@@ -144,16 +136,18 @@ it was 4 up to 2048 columns, else 8: 16 was 1.018x-1.029x faster at the 1.5B sha
 1 / 8 / 32, and 1.002x-1.008x at the 7B shape, H100, bench rollout --compare-attr,
 benchmarks/results/gpu_2026-12-06_session26). Read at each launch, so an A/B run can set
 it (--compare-attr megatron_tlt.rollout.gpu_model:NORM_WARPS=4; graphs recaptured)."""
-NORM_EARLY_WEIGHT = False
+NORM_EARLY_WEIGHT = True
 """_rms_norm_kernel loads its weight (and the projection's bias) before the PDL wait instead
 of after the row's sum of squares: the same values, so the same bits; the weight's trip to
 L2 then overlaps the previous kernel's tail instead of following the reduction's barriers
 (sm_90 SASS, `python tools/sass_norm.py [--early]`, 1536 columns, 16 warps: its LDG
 comes after the reduction's second BAR.SYNC without, before the ACQBULK wait with; 136
-instructions both). Weights are written only outside a forward (rollout/pdl.py).
-Off until timed over whole steps (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:NORM_EARLY_WEIGHT=True; runbook stage s34). Read at each
-launch, as NORM_WARPS."""
+instructions both). Weights are written only outside a forward (rollout/pdl.py). On by
+default since session 36 (H100, bench rollout --compare-attr, one run at 4b43a35,
+benchmarks/results/gpu_2026-12-07_session36): 1.013x / 1.009x / 1.012x / 1.002x of the
+step's speed without it at the 1.5B shape, batch 1 / 8 / 16 / 32, 0.999x-1.004x at the 7B
+shape; graph decode with PDL bit-identical either way (tests/gpu). False restores the
+order before. Read at each launch, as NORM_WARPS."""
 ROPE_ATTENTION_WARPS: int | None = None
 """Warps of a _rope_attention_kernel program; None: triton_attention.decode_warps in
 decode (the paged kernel's, so the two stay bit for bit the same), else 4. Read at each
@@ -248,19 +242,6 @@ tiles instead of one), and 0.90x at the 1.5B shape, batch 1. Over whole steps (s
 H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-06_session29): 0.927x /
 0.964x / 1.019x at the 1.5B shape, batch 1 / 8 / 32, 0.982x / 0.992x / 0.997x at the 7B
 shape: it stays 64."""
-NORM_EPILOGUE = False
-"""DecodeModel runs each RMSNorm that follows a Triton projection (the post-attention norm
-after the output projection, the next layer's input norm and the final norm after the down
-projection) in that projection's epilogue (triton_linear.NormEpilogue: the row tile's last
-program to finish adds up the planes, the residual and normalizes), not as its own kernel:
-two launches fewer a layer, and no grid-to-grid wait between the projection and its norm.
-Session 32's ablation (tools/ablate_decode.py, H100, 1.5B batch 1) charged the norm nodes
-4.0 us a layer, 2.7 of it for the node itself (an empty kernel in its place still took
-that). The same bits on the interpreter; on the GPU the mean square is summed in the
-projection's warps, so rstd may differ from rms_norm's in the last bit (the step is still
-deterministic: the same kernels every time). The planner's RMSNorm prologue is not asked
-for while this is on. Off until timed over whole steps (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:NORM_EPILOGUE=True). Read at each forward."""
 ATTN_L2_PREFETCH_MB: float = 4
 """Megabytes of weights DecodeModel asks L2 for right after each layer's fused attention
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
@@ -758,32 +739,14 @@ def norm_linear(planner: LinearPlanner, h: torch.Tensor, residual: torch.Tensor,
 
 
 def silu_linear(planner: LinearPlanner, gate_up: torch.Tensor, weight: torch.Tensor,
-                dtype: torch.dtype, *, rows: int | None = None, row_local: bool = False,
-                norm: NormEpilogue | None = None):
+                dtype: torch.dtype, *, rows: int | None = None, row_local: bool = False) -> torch.Tensor:
     """down(SiLU(gate) * up) as planes: fused into the projection's prologue when the
-    planner timed that faster, else silu_mul and the projection. With `norm`: (planes, y)
-    where y is the norm run in the projection's epilogue, or None where the chosen config
-    has none (cuBLAS; the caller runs rms_norm)."""
+    planner timed that faster, else silu_mul and the projection."""
     cfg = planner.fused_config("silu", gate_up, weight, rows=rows, row_local=row_local)
     if cfg is not None:
-        if norm is not None and norm_epilogue_ok(cfg, gate_up, weight, norm):
-            return silu_linear_partials(gate_up, weight, cfg, norm)
-        planes = silu_linear_partials(gate_up, weight, cfg)
-        return planes if norm is None else (planes, None)
+        return silu_linear_partials(gate_up, weight, cfg)
     x = silu_mul(gate_up, dtype=dtype)
-    planes, y = linear_maybe_norm(planner, x, weight, norm, rows=rows, row_local=row_local)
-    return planes if norm is None else (planes, y)
-
-
-def linear_maybe_norm(planner: LinearPlanner, x: torch.Tensor, weight: torch.Tensor,
-                      norm: NormEpilogue | None, *, rows: int | None = None,
-                      row_local: bool = False):
-    """(planes, y): the planner's projection of x, and `norm` run in its epilogue (y None
-    without `norm` or where the chosen config has no epilogue: the caller runs rms_norm)."""
-    cfg = planner.config(x, weight, rows=rows, row_local=row_local)
-    if norm is not None and norm_epilogue_ok(cfg, x, weight, norm):
-        return linear_norm_partials(x, weight, cfg, norm)
-    return linear_partials(x, weight, cfg), None
+    return linear_partials(x, weight, planner.config(x, weight, rows=rows, row_local=row_local))
 
 
 class DecodeModel:
@@ -810,10 +773,6 @@ class DecodeModel:
         by default since session 24: faster in every bench rollout configuration timed
         (1.5B and 7B shapes, batch 1/8/32, with and without PDL): 1.008-1.037x on an
         H100, 1.005-1.024x on an H200 (benchmarks/results/gpu_2026-12-05_session24)."""
-        self.norm_counters = torch.zeros(2 * arch.num_layers, _EPILOGUE_TILES, dtype=torch.int32,
-                                         device=weights.device)
-        """The row-tile tickets of NORM_EPILOGUE's norms, one row per norm of a forward (each
-        launch leaves its entries at zero again)."""
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
         on by default on a Hopper or later GPU (MEGATRON_TLT_PDL=0 turns it off); a runner's
@@ -826,21 +785,6 @@ class DecodeModel:
     def _norm_linear(self, h, residual, norm_weight, weight, bias=None):
         return norm_linear(self.planner, h, residual, norm_weight, self.arch.rms_norm_eps, weight,
                            bias=bias)
-
-    def _linear_norm(self, x, weight, norm: NormEpilogue | None):
-        """(planes, y): `norm` in the projection's epilogue (linear_maybe_norm), or
-        (self._linear's planes, None) without one."""
-        if norm is None:
-            return self._linear(x, weight), None
-        return linear_maybe_norm(self.planner, x, weight, norm)
-
-    def _epilogue(self, index: int, residual: torch.Tensor, norm_weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> NormEpilogue | None:
-        """The `index`-th norm of the forward as a projection's epilogue (NORM_EPILOGUE)."""
-        if not NORM_EPILOGUE:
-            return None
-        return NormEpilogue(residual, norm_weight, self.arch.rms_norm_eps,
-                            self.norm_counters[index], bias)
 
     @torch.no_grad()
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -889,11 +833,10 @@ class DecodeModel:
         prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
-        y = rms_norm(residual, w.layers[0].input_norm, eps)  # a norm's output, where run already
         for layer, lw in enumerate(w.layers):
             # [S, B, (H + 2 KVH) * D]; the QKV bias is added below
-            if y is not None:
-                qkv = self._linear(y, lw.qkv_weight)
+            if layer == 0:
+                qkv = self._linear(rms_norm(residual, lw.input_norm, eps), lw.qkv_weight)
             else:
                 qkv, residual = self._norm_linear(h, residual, lw.input_norm, lw.qkv_weight)
             heads = dict(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
@@ -915,30 +858,16 @@ class DecodeModel:
                 o = paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], block_tables,
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
-            o = o.view(o.shape[0], -1)
-            norm = self._epilogue(2 * layer, residual, lw.post_attn_norm, lw.o_bias)
-            h, y = self._linear_norm(o, lw.o_weight, norm)
+            h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             glu = plan.glu_config(residual, lw.gate_up_weight)
             if glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
-                if y is None:
-                    y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
-                gate_up = glu_linear(y, lw.gate_up_weight, glu)
-            elif y is None:
+                y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
+                h = self._linear(glu_linear(y, lw.gate_up_weight, glu), lw.down_weight)
+            else:
                 gate_up, residual = self._norm_linear(h, residual, lw.post_attn_norm,
                                                       lw.gate_up_weight, bias=lw.o_bias)
-            else:
-                gate_up = self._linear(y, lw.gate_up_weight)
-            # the down projection, then the next layer's input norm (or the final norm) in
-            # its epilogue where NORM_EPILOGUE allows
-            nxt = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm
-            norm = self._epilogue(2 * layer + 1, residual, nxt)
-            if glu is not None:
-                h, y = self._linear_norm(gate_up, lw.down_weight, norm)
-            else:
-                h, y = silu_linear(plan, gate_up, lw.down_weight, residual.dtype, norm=norm) if norm \
-                    else (silu_linear(plan, gate_up, lw.down_weight, residual.dtype), None)
-        if y is None:
-            y = rms_norm(h, w.final_norm, eps, residual=residual)
+                h = silu_linear(plan, gate_up, lw.down_weight, residual.dtype)
+        y = rms_norm(h, w.final_norm, eps, residual=residual)
         if hidden_out is not None:
             hidden_out["final"], hidden_out["pre_norm"] = y, residual
         if logits_rows is not None:

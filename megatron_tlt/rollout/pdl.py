@@ -25,9 +25,6 @@ completes, and a PDL kernel after them waits for them to complete (no trigger: t
 implicit one at their end). One kernel triggers before it waits: rollout/l2_prefetch.py's
 (launched right after the attention), which loads and stores nothing and waits before it
 exits, so it completes only after its predecessor did and the chain stays ordered.
-gpu_model.NORM_EPILOGUE's tickets (triton_linear.NormEpilogue) are taken after the wait,
-and the program that draws the last sets its counter back to zero before the grid
-completes, so a later launch on the same counter (past its own wait) starts from zero.
 
 Weight prefetch: what a projection kernel can do while it waits is ask L2 for its own
 weight slab (`prefetch.global.L2`, triton_linear._prefetch_slab), so the HBM reads of the

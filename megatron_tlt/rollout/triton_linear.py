@@ -169,53 +169,13 @@ def _k_step(acc, w, k0, k_hi, x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_p
 
 
 @triton.jit
-def _norm_rows(out_ptr, stride_os, stride_om, M, pid_m, cnt_ptr, e_res_ptr, stride_er, e_nw_ptr,
-               e_b_ptr, e_y_ptr, stride_ey, e_eps, BLOCK_M: tl.constexpr, E_N: tl.constexpr,
-               E_BLOCK: tl.constexpr, E_SPLITS: tl.constexpr, E_BIAS: tl.constexpr):
-    """The RMSNorm epilogue (NormEpilogue), run by the row tile's last program to finish:
-    for each of its rows, y = RMSNorm(residual + sum of the planes (+ bias)) with the new
-    residual stored in place, gpu_model.rms_norm's kernel line for line (same plane order,
-    roundings and one-vector sum of squares), then the tile's counter back to 0."""
-    cols = tl.arange(0, E_BLOCK)
-    ok = cols < E_N
-    w = tl.load(e_nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if E_BIAS:
-        bias = tl.load(e_b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    for i in range(0, BLOCK_M):
-        row = pid_m * BLOCK_M + i
-        if row < M:
-            # the other programs' planes: from L2 (.cg), after the acquiring ticket
-            p = out_ptr + row * stride_om + cols
-            x = tl.load(p, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            for s in tl.static_range(1, E_SPLITS):
-                x += tl.load(p + s * stride_os, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if E_BIAS:
-                x += bias
-            x = x.to(e_y_ptr.dtype.element_ty).to(tl.float32)  # the projection output's rounding
-            r = tl.load(e_res_ptr + row * stride_er + cols, mask=ok, other=0.0).to(tl.float32)
-            h = (x + r).to(e_res_ptr.dtype.element_ty)
-            tl.store(e_res_ptr + row * stride_er + cols, h, mask=ok)
-            x = h.to(tl.float32)
-            var = tl.sum(x * x, 0) / E_N
-            normed = (x * tl.rsqrt(var + e_eps)).to(e_y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(e_y_ptr + row * stride_ey + cols, (w * normed).to(e_y_ptr.dtype.element_ty),
-                     mask=ok)
-    tl.store(cnt_ptr + pid_m, 0)  # ready for the next launch (the grid ends after this)
-
-
-@triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
                    k_split, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, eps,
-                   cnt_ptr, e_res_ptr, stride_er, e_nw_ptr, e_b_ptr, e_y_ptr, stride_ey, e_eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, ROUND: tl.constexpr, S_IN: tl.constexpr = 1,
                    PRO: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
                    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0, GLU: tl.constexpr = False,
-                   EPI: tl.constexpr = False, E_N: tl.constexpr = 1, E_BLOCK: tl.constexpr = 16,
-                   E_SPLITS: tl.constexpr = 1, E_BIAS: tl.constexpr = False):
-    # EPI: the RMSNorm epilogue (NormEpilogue): every program takes a ticket of its row
-    # tile's counter after its stores; the one that draws the last runs _norm_rows.
+                   LINE: tl.constexpr = 64, PRE_T: tl.constexpr = 0, GLU: tl.constexpr = False):
     # GLU: the weight is [2N, K] (gate rows, then up rows); each program also reads the up
     # rows of its gate rows and stores SiLU(gate) * up in the model dtype (no split-K,
     # no preload): gpu_model.silu_mul's roundings of this config's one-plane product.
@@ -308,16 +268,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     out = out_ptr + split * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    if EPI:
-        # Every thread's stores above, then one thread's acq_rel ticket at GPU scope: the
-        # bar.sync orders them before the release, so the program that draws the last
-        # ticket sees every plane (as CUTLASS's split-K semaphore does).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
-        if ticket == tl.num_programs(1) * tl.num_programs(2) - 1:
-            _norm_rows(out_ptr, stride_os, stride_om, M, pid_m, cnt_ptr, e_res_ptr, stride_er,
-                       e_nw_ptr, e_b_ptr, e_y_ptr, stride_ey, e_eps, BLOCK_M, E_N, E_BLOCK,
-                       E_SPLITS, E_BIAS)
 
 
 def linear_partials(x: torch.Tensor,  # [M, K], last dim contiguous
@@ -348,40 +298,12 @@ def linear_into(x: torch.Tensor,  # [M, K]
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class NormEpilogue:
-    """The RMSNorm that follows a projection, run in the projection's epilogue: y =
-    RMSNorm(residual + x @ W.T (+ bias)) * weight with `residual` updated in place, what
-    gpu_model.rms_norm(planes, weight, eps, residual=residual, bias=bias) computes after
-    the projection, one launch fewer. The last program of each row tile to finish (a
-    ticket from `counter`, int32 zeros, one entry per row tile, left at zero again) adds
-    up the planes the others stored. Opt-in: gpu_model.NORM_EPILOGUE."""
-    residual: torch.Tensor  # [M, N] model dtype, read and written
-    weight: torch.Tensor  # [N]
-    eps: float
-    counter: torch.Tensor  # [>= row tiles] int32, all zero
-    bias: torch.Tensor | None = None  # [N]: the projection's
-
-
-def norm_epilogue_ok(cfg: LinearConfig, x: torch.Tensor, weight: torch.Tensor,
-                     norm: NormEpilogue) -> bool:
-    """Whether `cfg` can run `norm` in its epilogue: a Triton config (cuBLAS has none),
-    on the GPU or the interpreter, a counter entry for each row tile, matching widths."""
-    if cfg.kind == "cublas" or not _triton_ok(x):
-        return False
-    tiles = -(-x.shape[-2] // (cfg.block_m if cfg.kind == "dot" else 1))
-    return (tiles <= norm.counter.numel() and norm.residual.shape[-1] == weight.shape[0]
-            and norm.counter.dtype == torch.int32)
-
-
 def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None = None,
             pro: int = 0, planes=None, bias=None, residual=None, residual_out=None,
-            norm_weight=None, eps: float = 0.0, glu: bool = False,
-            norm: NormEpilogue | None = None) -> torch.Tensor | None:
+            norm_weight=None, eps: float = 0.0, glu: bool = False) -> None:
     """x [M, K] (pro 0), or the prologue's inputs: `planes` [S, M, *] with pro 1 (SiLU *
     mul of gate/up planes, K = half their width) or pro 2 (RMSNorm of residual + planes).
-    glu: the kernel's GLU epilogue (one split; out [1, M, N / 2] in the model dtype).
-    norm: the RMSNorm epilogue; returns its y [M, N] (else None)."""
+    glu: the kernel's GLU epilogue (one split; out [1, M, N / 2] in the model dtype)."""
     if pro == 0:
         m, k = x.shape
         if x.stride(-1) != 1:
@@ -407,32 +329,12 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
     k_split = -(-k // (cfg.splits * cfg.block_k)) * cfg.block_k
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), cfg.splits)
     res = residual if residual is not None else weight
-    y = None
-    if norm is not None:
-        if glu or round_out or pro == 2:
-            raise ValueError("triton linear: the RMSNorm epilogue follows a plain or SiLU-prologue "
-                             "projection into planes")
-        if norm.residual.shape != (m, n) or norm.residual.stride(-1) != 1 or norm.weight.shape != (n,):
-            raise ValueError(f"triton linear: the RMSNorm epilogue's residual {tuple(norm.residual.shape)} "
-                             f"and weight {tuple(norm.weight.shape)} must be [{m}, {n}] and [{n}]")
-        y = torch.empty(m, n, dtype=norm.weight.dtype, device=out.device)
-    e_res = norm.residual if norm is not None else weight
     _linear_kernel[grid](src, weight, out, m, n, k, stride_xm, weight.stride(0),
                          out.stride(0), out.stride(1), k_split, stride_xs,
                          bias if bias is not None else weight, res,
                          residual_out if residual_out is not None else weight,
                          norm_weight if norm_weight is not None else weight,
                          res.stride(0) if residual is not None else 0, float(eps),
-                         norm.counter if norm is not None else out, e_res,
-                         e_res.stride(0) if norm is not None else 0,
-                         norm.weight if norm is not None else weight,
-                         norm.bias if norm is not None and norm.bias is not None else weight,
-                         y if y is not None else weight, y.stride(0) if y is not None else 0,
-                         float(norm.eps) if norm is not None else 0.0,
-                         EPI=norm is not None, E_N=n if norm is not None else 1,
-                         E_BLOCK=max(16, triton.next_power_of_2(n)) if norm is not None else 16,
-                         E_SPLITS=cfg.splits if norm is not None else 1,
-                         E_BIAS=norm is not None and norm.bias is not None,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=dot,
                          ROUND=round_out, S_IN=s_in, PRO=pro, HAS_BIAS=bias is not None,
                          PREFETCH=not glu and weight.numel() * weight.element_size() <= pdl.prefetch_limit(),
@@ -440,7 +342,6 @@ def _launch(x, weight, out, cfg: LinearConfig, *, round_out: bool, k: int | None
                          PRE_T=0 if glu else preload_tiles(cfg, k_split, weight.element_size()),
                          GLU=glu,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.kwargs())
-    return y
 
 
 def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
@@ -450,19 +351,6 @@ def preload_tiles(cfg: LinearConfig, k_split: int, elt: int) -> int:
     if limit <= 0:
         return 0
     return max(0, min(4, -(-k_split // cfg.block_k), limit // (cfg.block_n * cfg.block_k * elt)))
-
-
-def linear_norm_partials(x: torch.Tensor,  # [M, K], last dim contiguous
-                         weight: torch.Tensor,  # [N, K]
-                         cfg: LinearConfig,  # a Triton config (norm_epilogue_ok)
-                         norm: NormEpilogue,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:  # planes [splits, M, N], y [M, N]
-    """linear_partials, then the RMSNorm of its planes in the same launch (NormEpilogue):
-    bit for bit linear_partials then gpu_model.rms_norm on the interpreter; on the GPU the
-    sum of squares runs in this config's warps, so rstd may differ in the last bit."""
-    m, k = x.shape
-    out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=x.device)
-    return out, _launch(x, weight, out, cfg, round_out=False, k=k, norm=norm)
 
 
 def glu_linear(x: torch.Tensor,  # [M, K], last dim contiguous
@@ -479,15 +367,13 @@ def glu_linear(x: torch.Tensor,  # [M, K], last dim contiguous
 
 def silu_linear_partials(gate_up: torch.Tensor,  # [S, M, 2 * I] planes (gate, then up columns)
                          weight: torch.Tensor,  # [N, I]
-                         cfg: LinearConfig,
-                         norm: NormEpilogue | None = None):  # [splits, M, N] float32 (, y)
+                         cfg: LinearConfig) -> torch.Tensor:  # [splits, M, N] float32
     """down(silu(gate) * up) with the SiLU * mul in the GEMV's prologue (a dot or fma config):
-    the same roundings as gpu_model.silu_mul followed by linear_partials. With `norm`, also
-    its RMSNorm epilogue: returns (planes, y) as linear_norm_partials."""
+    the same roundings as gpu_model.silu_mul followed by linear_partials."""
     s, m, two_i = gate_up.shape
     out = torch.empty(cfg.splits, m, weight.shape[0], dtype=torch.float32, device=gate_up.device)
-    y = _launch(None, weight, out, cfg, round_out=False, k=two_i // 2, pro=1, planes=gate_up, norm=norm)
-    return out if norm is None else (out, y)
+    _launch(None, weight, out, cfg, round_out=False, k=two_i // 2, pro=1, planes=gate_up)
+    return out
 
 
 def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous projection

@@ -16,9 +16,8 @@ from megatron_tlt.rollout.gpu_model import DecodeModel, qkv_rope_write_kv, rms_n
 from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import InferenceModel, rope_table  # noqa: E402
 from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
-from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, NormEpilogue,  # noqa: E402
-                                                candidate_configs, glu_linear, linear_into,
-                                                linear_norm_partials, linear_partials,
+from megatron_tlt.rollout.triton_linear import (LinearConfig, LinearPlanner, candidate_configs,  # noqa: E402
+                                                glu_linear, linear_into, linear_partials,
                                                 norm_linear_partials, silu_linear_partials)
 from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
 
@@ -126,8 +125,9 @@ def test_rms_norm_sum_out_starts_a_residual_stream():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_early_weight_is_bit_for_bit(dtype, monkeypatch):
-    """NORM_EARLY_WEIGHT (the weight and bias loaded before the PDL wait) gives the same
-    bits as the default order, with planes, bias and residual; the residual too. A weight
+    """NORM_EARLY_WEIGHT (the default since session 36: the weight and bias loaded before
+    the PDL wait) gives the same bits as the order before (loaded after the reduction), with
+    planes, bias and residual; the residual too. A weight
     nudged in one column (one float32 ulp; 1% in bfloat16) changes the output (the
     comparison can fail)."""
     from megatron_tlt.rollout import gpu_model
@@ -175,70 +175,6 @@ def test_fused_prologues_equal_the_separate_kernels(cfg):
     torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
     # negative control: without the bias the product differs
     assert (norm_linear_partials(h, res, nw, 1e-6, wq, cfg)[0] - ref).abs().max() > 1e-2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,cfg", [(1, CONFIGS[3]), (1, CONFIGS[4]), (17, CONFIGS[1]), (40, CONFIGS[2]),
-                                   (3, CONFIGS[0])], ids=str)
-@pytest.mark.filterwarnings("ignore:overflow encountered")  # the control reads an unwritten plane
-def test_norm_epilogue_equals_the_projection_then_rms_norm(m, cfg, dtype):
-    """NormEpilogue (the RMSNorm after a projection run by the row tile's last program to
-    finish) == linear_partials then rms_norm(planes, residual=..., bias=...), bit for bit:
-    the planes, y and the residual updated in place (N = 40: a padded norm row; 17 and 40
-    rows: several row tiles, a partial last one); also after the SiLU prologue. The tickets
-    are back at zero after each launch. Negative control: a counter left one ticket ahead
-    (a launch that never reset it) hands the last ticket to the program before the last,
-    which normalizes before the last plane is stored: that row tile's y and residual
-    differ from the reference, the counter ends at 1, the other row tiles are right."""
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(m, 300, generator=g).to(dtype)  # K = 300: no config here has an empty split
-    w = torch.randn(40, 300, generator=g).to(dtype)
-    res = torch.randn(m, 40, generator=g).to(dtype)
-    nw = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype)
-    bias = torch.randn(40, generator=g).to(dtype)
-    counter = torch.zeros(4, dtype=torch.int32)
-    for b in (None, bias):
-        mine, ref_res = res.clone(), res.clone()
-        planes, y = linear_norm_partials(x, w, cfg, NormEpilogue(mine, nw, 1e-6, counter, b))
-        ref = linear_partials(x, w, cfg)
-        assert torch.equal(planes, ref)
-        assert torch.equal(y, rms_norm(ref, nw, 1e-6, residual=ref_res, bias=b))
-        assert torch.equal(mine, ref_res) and not torch.equal(mine, res)
-        assert not counter.any()
-    gu = torch.randn(2, m, 2 * 300, generator=g)
-    mine, ref_res = res.clone(), res.clone()
-    planes, y = silu_linear_partials(gu, w, cfg, NormEpilogue(mine, nw, 1e-6, counter))
-    ref = silu_linear_partials(gu, w, cfg)
-    assert torch.equal(planes, ref)
-    assert torch.equal(y, rms_norm(ref, nw, 1e-6, residual=ref_res)) and torch.equal(mine, ref_res)
-    assert not counter.any()
-    # the control: a stale ticket in the first row tile's counter
-    counter[0] = 1
-    mine, ref_res = res.clone(), res.clone()
-    # a new input: memory the allocator hands back may hold the planes of the calls above
-    planes, y = linear_norm_partials(x + 1, w, cfg, NormEpilogue(mine, nw, 1e-6, counter))
-    ref_y = rms_norm(planes, nw, 1e-6, residual=ref_res)
-    rows = min(m, cfg.block_m if cfg.kind == "dot" else 1)  # the first row tile's
-    assert int(counter[0]) == 1 and not counter[1:].any()
-    assert not torch.equal(y[:rows], ref_y[:rows]) and not torch.equal(mine[:rows], ref_res[:rows])
-    assert torch.equal(y[rows:], ref_y[rows:])
-
-
-def test_norm_epilogue_refuses_what_it_cannot_serve():
-    """Shapes that disagree and outputs the epilogue does not follow are errors; configs
-    it cannot run in (cuBLAS, more row tiles than tickets) are not offered it."""
-    import megatron_tlt.rollout.triton_linear as tl_mod
-    cfg = CONFIGS[3]
-    x, w = torch.zeros(1, 64), torch.zeros(8, 64)
-    ok = NormEpilogue(torch.zeros(1, 8), torch.ones(8), 1e-6, torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"must be \[1, 8\] and \[8\]"):
-        linear_norm_partials(x, w, cfg, NormEpilogue(torch.zeros(1, 7), torch.ones(8), 1e-6, ok.counter))
-    with pytest.raises(ValueError, match="follows a plain or SiLU-prologue"):
-        tl_mod._launch(x, w, torch.zeros(1, 1, 8), cfg, round_out=True, k=64, norm=ok)
-    assert tl_mod.norm_epilogue_ok(cfg, x, w, ok)
-    assert not tl_mod.norm_epilogue_ok(tl_mod.CUBLAS, x, w, ok)
-    assert not tl_mod.norm_epilogue_ok(CONFIGS[0], torch.zeros(17, 64), w, ok)  # 2 row tiles, 1 ticket
-    assert tl_mod.norm_epilogue_ok(CONFIGS[0], torch.zeros(16, 64), w, ok)
 
 
 @pytest.mark.parametrize("m,cfg", [(1, CONFIGS[0]), (3, CONFIGS[0]), (17, CONFIGS[0]),
@@ -297,51 +233,6 @@ def test_decode_model_glu_epilogue_gives_the_same_logits(cfg, monkeypatch):
     x = torch.zeros(1, 8)
     assert LinearPlanner(fixed=CONFIGS[1]).glu_config(x, torch.zeros(6, 8)) is None
     assert LinearPlanner().glu_config(x, torch.zeros(6, 8)) is None  # CPU: no timing
-
-
-@pytest.mark.parametrize("cfg,fused,batch", [(CONFIGS[3], False, 1), (CONFIGS[3], True, 1),
-                                             (CONFIGS[1], False, 3), (CONFIGS[0], False, 17)],
-                         ids=["fma", "fma-fused-prologues", "dot-3-rows", "dot-2-row-tiles"])
-def test_decode_model_norm_epilogue_gives_the_same_step(cfg, fused, batch, monkeypatch):
-    """gpu_model.NORM_EPILOGUE on: every norm but the first layer's input norm runs in the
-    epilogue of the projection before it (rms_norm launched once a step; off: 2L + 1
-    times, or twice where the off run's fused prologues take the others), and the step's
-    logits, final hidden states and residual stream equal those with it off bit for bit
-    (the fused prologues' mean square, summed in tiles, happens to round the same here);
-    the tickets end at zero. Control for the count: the off runs."""
-    import megatron_tlt.rollout.gpu_model as gm
-    arch = _arch("qwen2", True)
-    w = _weights(arch, seed=1)
-    ref = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
-    i32 = lambda t: t.to(torch.int32)  # noqa: E731
-    calls = {"rms_norm": 0}
-    real = gm.rms_norm
-
-    def counted(*a, **k):
-        calls["rms_norm"] += 1
-        return real(*a, **k)
-    monkeypatch.setattr(gm, "rms_norm", counted)
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, arch.vocab_size, (batch,), generator=g)
-    ctx = torch.randint(2, 12, (batch,), generator=g)
-    bt = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(batch)])
-    slots = torch.tensor([int(bt[b, (c - 1) // 4]) * 4 + (c - 1) % 4 for b, c in enumerate(ctx.tolist())])
-    out = {}
-    for on in (False, True):
-        monkeypatch.setattr(gm, "NORM_EPILOGUE", on)
-        model = DecodeModel(arch, w, ref.cos, ref.sin, planner=LinearPlanner(fixed=cfg, fixed_fused=fused))
-        cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
-                             head_dim=arch.head_dim, num_blocks=8 * batch, block_size=4)
-        hidden = {}
-        calls["rms_norm"] = 0
-        logits = model.forward(i32(ids), i32(ctx - 1), i32(slots), i32(bt), i32(ctx), cache,
-                               num_splits=2, hidden_out=hidden)
-        out[on] = (logits, hidden["final"], hidden["pre_norm"], calls["rms_norm"])
-        assert not model.norm_counters.any()
-    layers = arch.num_layers
-    assert out[True][3] == 1 and out[False][3] == (2 if fused else 2 * layers + 1), (out[True][3], out[False][3])
-    for a, b in zip(out[True][:3], out[False][:3]):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("cfg,fused", [(CONFIGS[1], False), (CONFIGS[1], True), (CONFIGS[3], False),
