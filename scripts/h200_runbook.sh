@@ -90,7 +90,8 @@
 #             (~300 s; S34_SHORT=1: against the loop before only). Ran in session 36 (H100).
 #   s36       the defaults since session 36 (NORM_EARLY_WEIGHT on): on an H200 the issue's
 #             benchmark (`bench rollout --json`, every shape and batch, HF included) first,
-#             with S36_RESERVE s (default 260) left for the A/B after it; then bench rollout at
+#             with S36_RESERVE s (default 260) left for the A/B after it (S36_BENCH_ARGS: more
+#             bench arguments, e.g. --hf-batch-sizes 16); then bench rollout at
 #             batch 1 / 8 / 16 / 32 against NORM_EARLY_WEIGHT=False and the L2 prefetch's
 #             8 MB (16 MB too on an H100, where the decode GPU tests of the norm run first)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
@@ -417,7 +418,8 @@ PYEOF
     G=megatron_tlt.rollout.gpu_model
     cmp=(--compare-attr "$G:NORM_EARLY_WEIGHT=False" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8")
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout \
+      # shellcheck disable=SC2086
+      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout ${S36_BENCH_ARGS:-} \
           --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
       echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
       grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
