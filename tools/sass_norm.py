@@ -3,12 +3,12 @@
     python tools/sass_norm.py [--columns 1536] [--planes 2] [--bias] [--early] [--warps 16]
 
 Compiles gpu_model._rms_norm_kernel as a decode step launches it under PDL (residual add,
-`--planes` split-K partial-sum planes in, `--early`: NORM_EARLY_WEIGHT's load order, the default
-since session 36; without it the order before) for an
-H100/H200 with Triton's bundled ptxas and cuobjdump (tools/sass_attention.py's compile_sm90),
-and prints its instruction count and, in program order, its global loads and stores, the
-PDL wait (ACQBULK), the trigger (PREEXIT) and the barriers: where the weight's load sits
-against the wait and the reduction's barriers. Counting, not timing.
+`--planes` split-K partial-sum planes in, `--early`: NORM_EARLY_WEIGHT's load order, the
+default since session 36; without it the order before) for an H100/H200 with Triton's
+bundled ptxas and cuobjdump (tools/sass_attention.py's compile_sm90), and prints its
+instruction count and, in program order, its global loads and stores, the PDL wait
+(ACQBULK), the trigger (PREEXIT) and the barriers: where the weight's load sits against the
+wait and the reduction's barriers. Counting, not timing.
 """
 
 from __future__ import annotations

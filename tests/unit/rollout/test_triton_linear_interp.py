@@ -126,10 +126,9 @@ def test_rms_norm_sum_out_starts_a_residual_stream():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_early_weight_is_bit_for_bit(dtype, monkeypatch):
     """NORM_EARLY_WEIGHT (the default since session 36: the weight and bias loaded before
-    the PDL wait) gives the same bits as the order before (loaded after the reduction), with
-    planes, bias and residual; the residual too. A weight
-    nudged in one column (one float32 ulp; 1% in bfloat16) changes the output (the
-    comparison can fail)."""
+    the PDL wait) gives the same bits as the order before (loaded after the reduction),
+    with planes, bias and residual; the residual too. A weight nudged in one column (one
+    float32 ulp; 1% in bfloat16) changes the output (the comparison can fail)."""
     from megatron_tlt.rollout import gpu_model
     g = torch.Generator().manual_seed(3)
     planes = torch.randn(3, 5, 96, generator=g)
