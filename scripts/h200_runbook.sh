@@ -86,8 +86,9 @@
 #   s34       session 34's defaults (decode_write_first's WRITE_FIRST, OFF32, SAME_STRIDES): their
 #             decode GPU tests and session 35's NORM_EARLY_WEIGHT's (S34_RESERVE s left for
 #             what follows, default 150), then bench rollout at batch 1 / 8 / 16 / 32 against
-#             the loop before them, NORM_EARLY_WEIGHT=True and WRITE_FIRST 1 / 2 everywhere
-#             (~300 s; S34_SHORT=1: against the loop before only). Ran in session 36 (H100).
+#             the loop before them and WRITE_FIRST 1 / 2 everywhere (~250 s; S34_SHORT=1:
+#             against the loop before only). Ran in session 36 (H100), with
+#             NORM_EARLY_WEIGHT=True then too (the default since: s36 times it off).
 #   s36       the defaults since session 36 (NORM_EARLY_WEIGHT on): on an H200 the issue's
 #             benchmark (`bench rollout --json`, every shape and batch, HF included) first,
 #             with S36_RESERVE s (default 260) left for the A/B after it (S36_BENCH_ARGS: more
@@ -410,8 +411,7 @@ PYEOF
     pytest_stage "s34 tests" "${S34_RESERVE:-150}" gpu_tests_s34.log tests/gpu/test_engine_gpu.py -k \
         "((rope_attention_equals_separate or full_grid_minimum_fused) and (default or before-s34 or same-write-first)) or fused_rope_graph_decode or cuda_graph_decode_equals or norm_early_weight"
     cmp=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=0;$G:ROPE_ATTENTION_OFF32=False;$G:ROPE_ATTENTION_SAME_STRIDES=False")
-    [ "${S34_SHORT:-0}" = 1 ] || cmp+=(--compare-attr "$G:NORM_EARLY_WEIGHT=True"
-                                      --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1"
+    [ "${S34_SHORT:-0}" = 1 ] || cmp+=(--compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=1"
                                       --compare-attr "$G:ROPE_ATTENTION_WRITE_FIRST=2")
     ab_bench s34 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
   s36)

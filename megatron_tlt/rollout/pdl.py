@@ -11,10 +11,11 @@ of the step; PDL is the hardware's way to shrink it, inside CUDA graphs too.
 Safety: every kernel that takes `USE_PDL` waits before its first store, and before its
 first load of anything the kernel launched right before it may have written, and then lets
 its own dependents launch. Only index arithmetic, the linear kernel's L2 prefetch below,
-RMSNorm's loads of its weight and bias with gpu_model.NORM_EARLY_WEIGHT (weights: written
-only outside a forward), and the fused decode attention's loads of its inputs and of the
-keys/values already in the cache come earlier (gpu_model._rope_attention_kernel: DecodeModel launches it right after
-the QKV projection, which writes none of them), and so does the decode split merge's load
+RMSNorm's loads of its weight and bias with gpu_model.NORM_EARLY_WEIGHT (the default;
+weights: written only outside a forward), and the fused decode attention's loads of its
+inputs and of the keys/values already in the cache come earlier
+(gpu_model._rope_attention_kernel: DecodeModel launches it right after the QKV
+projection, which writes none of them), and so does the decode split merge's load
 of the context lengths (triton_attention._combine_kernel, launched right after the
 attention kernel whose partials it merges, which does not write them). Because every PDL
 kernel waits for its predecessor to complete, completion is transitive along the stream
