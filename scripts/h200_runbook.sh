@@ -95,6 +95,11 @@
 #             bench arguments, e.g. --hf-batch-sizes 16); then bench rollout at
 #             batch 1 / 8 / 16 / 32 against NORM_EARLY_WEIGHT=False and the L2 prefetch's
 #             8 MB (16 MB too on an H100, where the decode GPU tests of the norm run first)
+#   s37       the kernel after a cuBLAS projection launched without PDL (pdl.PLAIN_AFTER_CUBLAS,
+#             opt-in): on an H200 the issue's benchmark first (as s36, S37_RESERVE s, default
+#             300, left for the A/B; S37_FULL=0 skips it), elsewhere its GPU test and PDL's;
+#             then bench rollout at batch 1 / 8 / 16 / 32 against the knob on, every
+#             projection on cuBLAS, and every projection on cuBLAS with the knob on
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -429,12 +434,28 @@ PYEOF
       cmp+=(--compare-attr "$G:ATTN_L2_PREFETCH_MB=16")
     fi
     ab_bench s36 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
+  s37)
+    L=megatron_tlt.rollout
+    allcublas="$L.triton_linear:_MAX_TRITON_ROWS=0;$L.triton_linear:_FUSED_ROWS=0"
+    cmp=(--compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" --compare-attr "$allcublas"
+         --compare-attr "$allcublas;$L.pdl:PLAIN_AFTER_CUBLAS=True")
+    if [ "${S37_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      # shellcheck disable=SC2086
+      timeout "$(upto "${S37_RESERVE:-300}")" $PY -m megatron_tlt bench rollout ${S36_BENCH_ARGS:-} \
+          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
+      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
+      grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
+    else
+      pytest_stage "s37 tests" "${S37_RESERVE:-300}" gpu_tests_s37.log tests/gpu/test_engine_gpu.py -k \
+          "plain_after_cublas or pdl_decode_equals or cuda_graph_decode_equals"
+    fi
+    ab_bench s37 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 gputests)" ;;
 esac
 exit 0

@@ -67,7 +67,19 @@ PDL_ENV = "MEGATRON_TLT_PDL"
 PREFETCH_ENV = "MEGATRON_TLT_PDL_PREFETCH_MB"
 PRELOAD_ENV = "MEGATRON_TLT_PDL_PRELOAD_KB"
 
+PLAIN_AFTER_CUBLAS = False
+"""Opt-in (session 37, until timed): the PDL kernel launched right after a cuBLAS
+projection takes an ordinary launch (its USE_PDL code unchanged: its wait then returns at
+once, the predecessor having completed before it started). Why it might pay: a PDL kernel
+may become resident as soon as its predecessor triggers, and a cuBLAS kernel that triggers
+early would then share its SMs with programs that only wait; session 32's ablation timed
+the SiLU * mul launched after the 7B batch-32 gate/up projection (cuBLAS there) at 12.7 us
+a layer of the step against 2.3 us alone. Same kernels, same order, same bits either way
+(tests/gpu/test_engine_gpu.py::test_plain_after_cublas_decode_equals_default). A/B:
+bench rollout --compare-attr megatron_tlt.rollout.pdl:PLAIN_AFTER_CUBLAS=True."""
+
 _active = False
+_plain_next = False  # the next kwargs() of this context hands out an ordinary launch
 _prefetch = 0  # the innermost `launches` context's prefetch limit (bytes)
 _preload = 0  # the innermost `launches` context's preload limit (bytes per program)
 
@@ -112,14 +124,14 @@ def launches(flag: bool, prefetch: int = 0, preload: int = 0):
     weight tiles as fit in `preload` bytes (at most 4) before the wait (read once per
     context, not per launch: a forward passes `prefetch_bytes()`, `preload_bytes()`); all
     restored on exit, nesting allowed."""
-    global _active, _prefetch, _preload
-    prev = _active, _prefetch, _preload
-    _active = bool(flag)
+    global _active, _prefetch, _preload, _plain_next
+    prev = _active, _prefetch, _preload, _plain_next
+    _active, _plain_next = bool(flag), False
     _prefetch, _preload = (int(prefetch), int(preload)) if flag else (0, 0)
     try:
         yield
     finally:
-        _active, _prefetch, _preload = prev
+        _active, _prefetch, _preload, _plain_next = prev
 
 
 def active() -> bool:
@@ -136,7 +148,22 @@ def preload_limit() -> int:
     return _preload
 
 
+def plain_launch() -> None:
+    """A kernel without PDL (a cuBLAS projection) was just launched: with PLAIN_AFTER_CUBLAS
+    the next `kwargs()` of this context gives an ordinary launch."""
+    global _plain_next
+    _plain_next = _active and PLAIN_AFTER_CUBLAS
+
+
 def kwargs() -> dict:
     """Launch keywords for a kernel with a `USE_PDL: tl.constexpr` parameter: the
-    constexpr, and Triton's `launch_pdl` launch option when on."""
-    return {"USE_PDL": True, "launch_pdl": True} if _active else {"USE_PDL": False}
+    constexpr, and Triton's `launch_pdl` launch option when on (not for the launch after a
+    `plain_launch()` with PLAIN_AFTER_CUBLAS: the same code, launched the ordinary way).
+    Called once per launch."""
+    global _plain_next
+    if not _active:
+        return {"USE_PDL": False}
+    if _plain_next:
+        _plain_next = False
+        return {"USE_PDL": True}
+    return {"USE_PDL": True, "launch_pdl": True}

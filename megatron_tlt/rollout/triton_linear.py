@@ -279,6 +279,7 @@ def linear_partials(x: torch.Tensor,  # [M, K], last dim contiguous
     m, k = x.shape
     n = weight.shape[0]
     if cfg.kind == "cublas" or not _triton_ok(x):
+        pdl.plain_launch()
         return F.linear(x, weight).unsqueeze(0)
     out = torch.empty(cfg.splits, m, n, dtype=torch.float32, device=x.device)
     _launch(x, weight, out, cfg, round_out=False, k=k)
@@ -292,6 +293,7 @@ def linear_into(x: torch.Tensor,  # [M, K]
     """out <- x @ weight.T rounded to the weight's dtype first (as F.linear's output would
     be), then stored in out's dtype. A split config is run as one split here."""
     if cfg.kind == "cublas" or not _triton_ok(x):
+        pdl.plain_launch()
         return out.copy_(F.linear(x, weight))
     cfg = dataclasses.replace(cfg, splits=1)
     _launch(x, weight, out.unsqueeze(0), cfg, round_out=True, k=x.shape[1])

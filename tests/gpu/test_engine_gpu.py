@@ -1051,6 +1051,38 @@ def test_norm_early_weight_decode_equals_late_weight_decode(monkeypatch):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_plain_after_cublas_decode_equals_default(monkeypatch):
+    """pdl.PLAIN_AFTER_CUBLAS (the kernel after a cuBLAS projection launched without PDL,
+    same code): graph decode with every projection on cuBLAS gives the same tokens and
+    bit-identical logprobs with the knob on as off, bf16, batch 7, 40 steps, greedy and
+    T=0.9 rows. Control: the run with it on did hand out ordinary launches of USE_PDL
+    kernels (pdl.kwargs without launch_pdl), the run with it off none."""
+    from megatron_tlt.rollout import pdl
+    from megatron_tlt.rollout.triton_linear import CUBLAS, LinearPlanner
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype, seed=5)
+    plain = {False: 0, True: 0}
+    real = pdl.kwargs
+    state = {"on": False}
+
+    def counting():
+        kw = real()
+        plain[state["on"]] += kw.get("USE_PDL", False) and not kw.get("launch_pdl")
+        return kw
+    monkeypatch.setattr(pdl, "kwargs", counting)
+
+    def configure(model, on):
+        model.pdl = True
+        model.planner = LinearPlanner(fixed=CUBLAS)
+        state["on"] = on
+        monkeypatch.setattr(pdl, "PLAIN_AFTER_CUBLAS", on)
+    outs = graph_decode_both_ways(arch, w, dtype, 6, configure)
+    assert plain[False] == 0 and plain[True] > 0, plain
+    assert outs[True] == outs[False]
+
+
 def _rope_case(ctx, *, heads, kvh, page, dtype, planes, bias, seed, q=1):
     """q new tokens per sequence at its context's last positions, after a random cached
     prefix (scattered blocks): QKV planes (float32 split-K partial sums, or one plane in

@@ -69,3 +69,46 @@ def test_preload_limit_from_the_environment_and_only_inside_pdl(monkeypatch):
             assert pdl.preload_limit() == 0
         assert pdl.preload_limit() == 4096
     assert pdl.preload_limit() == 0
+
+
+def test_plain_launch_after_cublas_only_when_asked(monkeypatch):
+    """pdl.plain_launch() (called by a cuBLAS projection): with PLAIN_AFTER_CUBLAS the next
+    launch of a PDL context takes the same USE_PDL code without launch_pdl, the one after it
+    PDL again; without the knob (the default), outside PDL, or across a context's entry and
+    exit it changes nothing."""
+    on = {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.PLAIN_AFTER_CUBLAS is False
+    with pdl.launches(True):
+        pdl.plain_launch()
+        assert pdl.kwargs() == on
+    monkeypatch.setattr(pdl, "PLAIN_AFTER_CUBLAS", True)
+    pdl.plain_launch()
+    assert pdl.kwargs() == {"USE_PDL": False}
+    with pdl.launches(True):
+        assert pdl.kwargs() == on
+        pdl.plain_launch()
+        assert pdl.kwargs() == {"USE_PDL": True}
+        assert pdl.kwargs() == on
+        pdl.plain_launch()
+        with pdl.launches(True):  # a nested context starts afresh, and restores on exit
+            assert pdl.kwargs() == on
+        assert pdl.kwargs() == {"USE_PDL": True}
+        with pdl.launches(False):
+            pdl.plain_launch()
+            assert pdl.kwargs() == {"USE_PDL": False}
+        assert pdl.kwargs() == on
+        pdl.plain_launch()
+    with pdl.launches(True):
+        assert pdl.kwargs() == on
+
+
+def test_cublas_projection_marks_the_next_launch_plain(monkeypatch):
+    """triton_linear's cuBLAS paths (linear_partials, linear_into: F.linear) call
+    plain_launch once each (a spy counts the calls; no interpreter needed on this path)."""
+    from megatron_tlt.rollout import triton_linear as tlin
+    calls = []
+    monkeypatch.setattr(pdl, "plain_launch", lambda: calls.append(1))
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    tlin.linear_partials(x, w, tlin.CUBLAS)
+    tlin.linear_into(x, w, torch.empty(2, 4), tlin.CUBLAS)
+    assert len(calls) == 2
