@@ -137,6 +137,15 @@ ab_bench() {  # ab_bench NAME RESERVE_S ARGS...: bench rollout (1.5B / 7B, batch
   grep -E "^ *(shape|1.5b|7b) |rror" "$RESULTS/bench_rollout_$name.log" | tail -n 16
 }
 
+issue_bench() {  # issue_bench RESERVE_S: the issue's benchmark (bench rollout --json, every
+  # shape and batch, HF included; S36_BENCH_ARGS: more arguments), RESERVE_S left after it
+  # shellcheck disable=SC2086
+  timeout "$(upto "$1")" $PY -m megatron_tlt bench rollout ${S36_BENCH_ARGS:-} \
+      --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
+  echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
+  grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
+}
+
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/megatron*.whl > /dev/null 2>&1 || { [ -d /tmp/site/megatron ] || { echo "no megatron-core wheel in .whl"; exit 0; }; }
 $PY -c "import pytest" 2> /dev/null || $PY -m pip install -q --no-index --no-deps \
@@ -423,11 +432,7 @@ PYEOF
     G=megatron_tlt.rollout.gpu_model
     cmp=(--compare-attr "$G:NORM_EARLY_WEIGHT=False" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8")
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      # shellcheck disable=SC2086
-      timeout "$(upto "${S36_RESERVE:-260}")" $PY -m megatron_tlt bench rollout ${S36_BENCH_ARGS:-} \
-          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
-      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
-      grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
+      issue_bench "${S36_RESERVE:-260}"
     else
       pytest_stage "s36 tests" "${S36_RESERVE:-300}" gpu_tests_s36.log tests/gpu/test_engine_gpu.py -k \
           "norm or cuda_graph_decode_equals or pdl_decode or fused_rope_graph_decode"
@@ -440,11 +445,7 @@ PYEOF
     cmp=(--compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" --compare-attr "$allcublas"
          --compare-attr "$allcublas;$L.pdl:PLAIN_AFTER_CUBLAS=True")
     if [ "${S37_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-      # shellcheck disable=SC2086
-      timeout "$(upto "${S37_RESERVE:-300}")" $PY -m megatron_tlt bench rollout ${S36_BENCH_ARGS:-} \
-          --json "$RESULTS/bench_rollout_full_h200.json" > "$RESULTS/bench_rollout_full_h200.log" 2>&1
-      echo "[runbook] issue benchmark: rc=$? at $(( $(date +%s) - t0 )) s"
-      grep -E "^ *(shape|1.5b|7b) |HF|hf|rror" "$RESULTS/bench_rollout_full_h200.log" | tail -n 24
+      issue_bench "${S37_RESERVE:-300}"
     else
       pytest_stage "s37 tests" "${S37_RESERVE:-300}" gpu_tests_s37.log tests/gpu/test_engine_gpu.py -k \
           "plain_after_cublas or pdl_decode_equals or cuda_graph_decode_equals"
