@@ -100,6 +100,9 @@
 #             300, left for the A/B; S37_FULL=0 skips it), elsewhere its GPU test and PDL's;
 #             then bench rollout at batch 1 / 8 / 16 / 32 against the knob on, every
 #             projection on cuBLAS, and every projection on cuBLAS with the knob on
+#   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
+#             projections with Triton configs the planner does not try, against its own
+#             candidates, each alone (no target needed; ~2-4 min)
 #   gputests  tests/gpu (GPU_TESTS overrides the list)
 # Running `target` in the background beside `kernels` in one call: wait for it with
 # `wait $pid` (bash scripts/h200_runbook.sh target ... & pid=$!), never with
@@ -451,12 +454,17 @@ PYEOF
           "plain_after_cublas or pdl_decode_equals or cuda_graph_decode_equals"
     fi
     ab_bench s37 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
+  lsweep)
+    timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
+        --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
+    echo "[runbook] lsweep: rc=$? at $(( $(date +%s) - t0 )) s"
+    tail -n 16 "$RESULTS/linear_sweep.log" ;;
   gputests)
     # shellcheck disable=SC2086
     timeout "$(left)" $PY -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} \
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 lsweep gputests)" ;;
 esac
 exit 0

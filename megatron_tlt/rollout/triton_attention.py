@@ -63,31 +63,6 @@ from megatron_tlt.rollout.host import int64_tensor, to_device
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 
 
-def _interpreter_compat() -> None:
-    """Under TRITON_INTERPRET=1 (CPU runs of these kernels), scalars are 1-element numpy
-    arrays, which numpy >= 2.x refuses to turn into loop bounds through `__index__`;
-    make the interpreter take their single element. No effect on compiled kernels."""
-    try:
-        import numpy as np
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "_tlt_compat", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._tlt_compat = True
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_compat()
-
 MODE_DECODE, MODE_CAUSAL, MODE_TREE = 0, 1, 2
 LOG2E = 1.4426950408889634
 MAX_BLOCK_M = 64
