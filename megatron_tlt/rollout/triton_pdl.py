@@ -1,5 +1,7 @@
-"""The Triton side of rollout/pdl.py (kept apart: pdl.py imports without Triton), and the
-interpreter fix every module of decode kernels needs (they all import this one)."""
+"""The Triton side of rollout/pdl.py (kept apart: pdl.py imports without Triton), and a
+fix for Triton's interpreter that kernels with scalar loop bounds need on CPU (the modules
+of the decode forward's kernels, triton_linear, triton_attention and gpu_model, import this
+one; triton_linear alone under the interpreter failed without it)."""
 
 import os
 
