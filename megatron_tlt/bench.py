@@ -596,7 +596,8 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     runner = engine.decode_runner
     plans = []
     if runner is not None:
-        plans = [{"m": k[0], "n": k[1], "k": k[2], "config": str(c), "us": us,
+        plans = [{"m": k[0], "n": k[1], "k": k[2], "key_extra": [str(v) for v in k[5:]],
+                  "config": str(c), "us": us,
                   "candidates_us": runner.model.planner.timings.get(k, {})}
                  for k, (c, us) in runner.model.planner.plans.items()]
     if args.compare_pdl and runner is not None and plan.graphs:

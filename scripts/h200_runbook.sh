@@ -100,6 +100,9 @@
 #             300, left for the A/B; S37_FULL=0 skips it), elsewhere its GPU test and PDL's;
 #             then bench rollout at batch 1 / 8 / 16 / 32 against the knob on, every
 #             projection on cuBLAS, and every projection on cuBLAS with the knob on
+#   s37b      bench rollout at batch 1 against triton_linear.FMA_WIDE=True (twice: the second
+#             reuses the first's plans, a repeat of the timing), then at batch 32 against
+#             PLAIN_AFTER_CUBLAS (twice) and every projection on cuBLAS (~3 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -454,6 +457,12 @@ PYEOF
           "plain_after_cublas or pdl_decode_equals or cuda_graph_decode_equals"
     fi
     ab_bench s37 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
+  s37b)
+    L=megatron_tlt.rollout
+    ab_bench s37b_b1 120 --batch-sizes 1 --compare-attr "$L.triton_linear:FMA_WIDE=True" \
+        --compare-attr "$L.triton_linear:FMA_WIDE=True"
+    ab_bench s37b_b32 5 --batch-sizes 32 --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" \
+        --compare-attr "$L.triton_linear:_MAX_TRITON_ROWS=0" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
@@ -465,6 +474,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b lsweep gputests)" ;;
 esac
 exit 0

@@ -427,6 +427,16 @@ _GLU=1 ran at 0.927x-1.001x of the default's speed at the 1.5B and 7B shapes, ba
 if _GLU not in (0, 1, 2):
     raise ValueError(f"MEGATRON_TLT_GLU={_GLU}: 0 (off), 1 (where timed faster) or 2 (always)")
 
+FMA_WIDE = False
+"""Opt-in (session 37, until timed over whole steps): for one row the planner also times fma
+configs of 2-warp programs over 256-column K tiles and of 4-warp programs over 1024-column
+ones. tools/linear_sweep.py timed them alone on an H100 (benchmarks/results/gpu_2026-12-07_session37):
+the 1.5B shape's QKV and O projections 1.11x-1.13x faster than the planner's best
+(fma:m1n4k256s4w2p3), its down projection 1.05x (fma:m1n2k1024s4w4p3), the 7B shape's
+1.01x-1.02x. Plans made with it carry the tag _FMA_WIDE in their key (read at planning:
+bench rollout --compare-attr megatron_tlt.rollout.triton_linear:FMA_WIDE=True)."""
+_FMA_WIDE = "fma_wide"
+
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
 
@@ -472,7 +482,23 @@ def candidate_configs(m: int, n: int, k: int) -> list[LinearConfig]:
                     continue
                 out.append(LinearConfig("fma", block_m=1, block_n=block_n, block_k=512,
                                         splits=splits, num_warps=4, num_stages=3))
+        if FMA_WIDE:
+            for block_n in (4, 8):
+                for splits in (1, 2, 4, 8):
+                    if splits == 1 or k // splits >= 256:
+                        out.append(LinearConfig("fma", block_m=1, block_n=block_n, block_k=256,
+                                                splits=splits, num_warps=2, num_stages=3))
+            for block_n in (2, 4):
+                for splits in (1, 2, 4):
+                    if splits == 1 or k // splits >= 1024:
+                        out.append(LinearConfig("fma", block_m=1, block_n=block_n, block_k=1024,
+                                                splits=splits, num_warps=4, num_stages=3))
     return out
+
+
+def _wide_tag(m: int) -> tuple:
+    """The plan key's tag for a candidate set widened by FMA_WIDE (one row only)."""
+    return (_FMA_WIDE,) if FMA_WIDE and m == 1 else ()
 
 
 class LinearPlanner(PlanCache):
@@ -518,6 +544,7 @@ class LinearPlanner(PlanCache):
         key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
         if row_local:
             key += (_ROW_LOCAL,)
+        key += _wide_tag(_row_bucket(m))
         return self._choose(self.plans, key, lambda: self._tune(x, weight, key))
 
     def fused_config(self, kind: str,  # "norm" | "silu"
@@ -539,6 +566,7 @@ class LinearPlanner(PlanCache):
         key = (kind, m, weight.shape[0], weight.shape[1], planes.shape[0], weight.dtype)
         if row_local:
             key += (_ROW_LOCAL,)
+        key += _wide_tag(m)
         return self._choose(self.fused, key, lambda: self._tune_fused(
             kind, planes, weight, norm_weight, eps, m, row_local=row_local))[0]
 
@@ -620,7 +648,7 @@ class LinearPlanner(PlanCache):
         ws = _weight_copies(weight)
         times: dict[str, float] = {}
         best = (CUBLAS, float("inf"))
-        row_local = key[5:] == (_ROW_LOCAL,)
+        row_local = _ROW_LOCAL in key[5:]
         for cfg in candidate_configs(m, n, k):
             if (cfg.splits > 1 and not key[4]) or (row_local and cfg.kind == "cublas"):
                 continue

@@ -291,6 +291,48 @@ def test_row_local_plans_never_take_cublas(monkeypatch):
     assert "cublas" not in p.timings[(4, 48, 64, torch.float32, True, tl_mod._ROW_LOCAL)]
 
 
+def test_fma_wide_adds_one_row_configs_and_tags_their_plans(monkeypatch):
+    """triton_linear.FMA_WIDE (opt-in): one row's candidates gain 2-warp fma configs over
+    256-column tiles and 4-warp ones over 1024-column tiles (split K kept >= the tile),
+    rows > 1 nothing; the plans made with them carry the tag in their key, so a process
+    that times both sets (bench rollout --compare-attr) never reuses one for the other, and
+    a row-local key with the tag still skips cuBLAS. The new configs compute the product
+    (interpreter, float32; the GPU compiles them in tools/linear_sweep.py)."""
+    import megatron_tlt.rollout.triton_linear as tl_mod
+    base1, base8 = candidate_configs(1, 2048, 1536), candidate_configs(8, 2048, 1536)
+    monkeypatch.setattr(tl_mod, "FMA_WIDE", True)
+    wide1 = candidate_configs(1, 2048, 1536)
+    new = [c for c in wide1 if c not in base1]
+    assert wide1[:len(base1)] == base1 and candidate_configs(8, 2048, 1536) == base8
+    assert {(c.block_k, c.num_warps) for c in new} == {(256, 2), (1024, 4)}
+    assert all(c.kind == "fma" and (c.splits == 1 or 1536 // c.splits >= c.block_k) for c in new)
+    assert tl_mod._wide_tag(1) == (tl_mod._FMA_WIDE,) and tl_mod._wide_tag(2) == ()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 2304, generator=g), torch.randn(24, 2304, generator=g)
+    for cfg in [c for c in candidate_configs(1, 24, 2304) if c.block_k in (256, 1024)][::3]:
+        torch.testing.assert_close(linear_partials(x, w, cfg).sum(0), x @ w.T, atol=2e-4,
+                                   rtol=1e-5, msg=str(cfg))
+    seen = []
+    monkeypatch.setattr(LinearPlanner, "_choose",
+                        lambda self, plans, key, tune: seen.append(key) or (tl_mod.CUBLAS, 1.0))
+    p = LinearPlanner()
+    p._plan(torch.zeros(1, 8), torch.zeros(4, 8), 1, True, False)
+    p._plan(torch.zeros(1, 8), torch.zeros(4, 8), 1, True, True)
+    p._plan(torch.zeros(3, 8), torch.zeros(4, 8), 3, True, False)
+    with monkeypatch.context() as mp:  # fused_config plans on CUDA tensors only
+        mp.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda")))
+        p.fused_config("silu", torch.zeros(2, 1, 16), torch.zeros(4, 8))
+    assert [k[5:] for k in seen] == [(tl_mod._FMA_WIDE,), (tl_mod._ROW_LOCAL, tl_mod._FMA_WIDE), (),
+                                     (torch.float32, tl_mod._FMA_WIDE)]
+    dot = LinearConfig("dot", block_m=16, block_n=16, block_k=32)
+    monkeypatch.setattr(tl_mod, "candidate_configs", lambda m, n, k: [tl_mod.CUBLAS, dot])
+    monkeypatch.setattr(tl_mod, "_time_us", lambda call, n: 2.0)
+    key = (1, 48, 64, torch.float32, True, tl_mod._ROW_LOCAL, tl_mod._FMA_WIDE)
+    q = LinearPlanner()
+    assert q._tune(torch.zeros(1, 64), torch.zeros(48, 64), key) == (dot, 2.0)
+    assert "cublas" not in q.timings[key]  # row-local with the tag: cuBLAS never timed
+
+
 def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues, RoPE +
     K/V write in the attention kernel) and the split-K merge in the attention kernel, a
