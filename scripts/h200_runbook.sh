@@ -100,9 +100,9 @@
 #             300, left for the A/B; S37_FULL=0 skips it), elsewhere its GPU test and PDL's;
 #             then bench rollout at batch 1 / 8 / 16 / 32 against the knob on, every
 #             projection on cuBLAS, and every projection on cuBLAS with the knob on
-#   s37b      bench rollout at batch 1 against triton_linear.FMA_WIDE=True (twice: the second
-#             reuses the first's plans, a repeat of the timing), then at batch 32 against
-#             PLAIN_AFTER_CUBLAS (twice) and every projection on cuBLAS (~3 min)
+#   s37b      bench rollout at batch 1 against triton_linear.FMA_WIDE=True, then at batch 32
+#             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS (~2 min;
+#             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -459,10 +459,14 @@ PYEOF
     ab_bench s37 5 --batch-sizes 1,8,16,32 "${cmp[@]}" ;;
   s37b)
     L=megatron_tlt.rollout
-    ab_bench s37b_b1 120 --batch-sizes 1 --compare-attr "$L.triton_linear:FMA_WIDE=True" \
-        --compare-attr "$L.triton_linear:FMA_WIDE=True"
-    ab_bench s37b_b32 5 --batch-sizes 32 --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" \
-        --compare-attr "$L.triton_linear:_MAX_TRITON_ROWS=0" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" ;;
+    n=1; [ "${S37B_REPEAT:-0}" = 1 ] && n=2
+    b1=(); b32=()
+    for _ in $(seq $n); do
+      b1+=(--compare-attr "$L.triton_linear:FMA_WIDE=True")
+      b32+=(--compare-attr "$L.triton_linear:CUBLAS_MARGIN=1.05" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True")
+    done
+    ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
+    ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1

@@ -333,6 +333,26 @@ def test_fma_wide_adds_one_row_configs_and_tags_their_plans(monkeypatch):
     assert "cublas" not in q.timings[key]  # row-local with the tag: cuBLAS never timed
 
 
+def test_cublas_margin_prefers_triton_within_it_and_tags_the_plan(monkeypatch):
+    """triton_linear.CUBLAS_MARGIN (opt-in): cuBLAS is taken only where its time times the
+    margin beats every Triton config (the returned time is still its own); 1.0 keeps the
+    plain fastest (negative control); a margin other than 1 tags the plan key."""
+    import megatron_tlt.rollout.triton_linear as tl_mod
+    dot = LinearConfig("dot", block_m=16, block_n=16, block_k=32)
+    monkeypatch.setattr(tl_mod, "candidate_configs", lambda m, n, k: [tl_mod.CUBLAS, dot])
+    x, w = torch.zeros(4, 64), torch.zeros(48, 64)
+    key = (4, 48, 64, torch.float32, True)
+    for margin, cublas_us, want in ((1.0, 9.8, tl_mod.CUBLAS), (1.05, 9.8, dot), (1.05, 9.0, tl_mod.CUBLAS)):
+        monkeypatch.setattr(tl_mod, "CUBLAS_MARGIN", margin)
+        times = iter([cublas_us, 10.0])
+        monkeypatch.setattr(tl_mod, "_time_us", lambda call, n: next(times))  # noqa: B023
+        cfg, us = LinearPlanner()._tune(x, w, key)
+        assert (cfg, us) == (want, cublas_us if want is tl_mod.CUBLAS else 10.0), (margin, cublas_us)
+    assert tl_mod._margin_tag() == ("cublas_x1.05",)
+    monkeypatch.setattr(tl_mod, "CUBLAS_MARGIN", 1.0)
+    assert tl_mod._margin_tag() == ()
+
+
 def test_decode_step_launch_count_with_every_fusion(monkeypatch):
     """With the fused choices taken (fma GEMVs with the RMSNorm / SiLU prologues, RoPE +
     K/V write in the attention kernel) and the split-K merge in the attention kernel, a
