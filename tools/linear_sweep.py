@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megatron_tlt.bench import SHAPES, _git_revision
+from megatron_tlt.bench import SHAPES, _git_revision, measure_bandwidth
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout import triton_linear as tlin
@@ -110,20 +110,10 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     names = [s for s in args.only.split(",") if s]
-    read_gbps = None
-    buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):  # read bandwidth: a sum over 1 GiB
-        a.record()
-        buf.view(torch.int32).sum()
-        b.record()
-        b.synchronize()
-        gbps = buf.numel() / (a.elapsed_time(b) * 1e-3) / 1e9
-        read_gbps = max(read_gbps or 0.0, gbps)
-    del buf
+    roofline_gbps = measure_bandwidth(dev, 2 << 30)["roofline_GBps"]  # bench rollout's roofline bandwidth
     results = []
     on = pdl.supported(dev)
-    print(f"{torch.cuda.get_device_name(dev)}; read bandwidth {read_gbps:.0f} GB/s; PDL {on}")
+    print(f"{torch.cuda.get_device_name(dev)}; roofline bandwidth {roofline_gbps:.0f} GB/s; PDL {on}")
     print(f"{'case':>10} {'proj':>8} {'planner best':>26} {'us':>7} {'GB/s':>6} "
           f"{'wider best':>26} {'us':>7} {'GB/s':>6} {'ratio':>6}")
     for case in args.cases.split(","):
@@ -157,7 +147,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python", "tools/linear_sweep.py"] + (argv or sys.argv[1:])),
                        "git_revision": _git_revision(), "device": torch.cuda.get_device_name(dev),
-                       "read_GBps": read_gbps, "pdl": on, "results": results}, f, indent=1)
+                       "roofline_GBps": roofline_gbps, "pdl": on, "results": results}, f, indent=1)
     return 0
 
 
