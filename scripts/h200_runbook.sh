@@ -96,12 +96,12 @@
 #             batch 1 / 8 / 16 / 32 against NORM_EARLY_WEIGHT=False and the L2 prefetch's
 #             8 MB (16 MB too on an H100, where the decode GPU tests of the norm run first)
 #   s37       the kernel after a cuBLAS projection launched without PDL (pdl.PLAIN_AFTER_CUBLAS,
-#             opt-in): on an H200 the issue's benchmark first (as s36, S37_RESERVE s, default
+#             opt-in when it ran in session 37, on by default since: here now =False): on an H200 the issue's benchmark first (as s36, S37_RESERVE s, default
 #             300, left for the A/B; S37_FULL=0 skips it), elsewhere its GPU test and PDL's;
 #             then bench rollout at batch 1 / 8 / 16 / 32 against the knob on, every
 #             projection on cuBLAS, and every projection on cuBLAS with the knob on
 #   s37b      bench rollout at batch 1 against triton_linear.FMA_WIDE=True, then at batch 32
-#             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS (~2 min;
+#             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS=False (~2 min;
 #             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
@@ -448,8 +448,8 @@ PYEOF
   s37)
     L=megatron_tlt.rollout
     allcublas="$L.triton_linear:_MAX_TRITON_ROWS=0;$L.triton_linear:_FUSED_ROWS=0"
-    cmp=(--compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True" --compare-attr "$allcublas"
-         --compare-attr "$allcublas;$L.pdl:PLAIN_AFTER_CUBLAS=True")
+    cmp=(--compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=False" --compare-attr "$allcublas"
+         --compare-attr "$allcublas;$L.pdl:PLAIN_AFTER_CUBLAS=False")
     if [ "${S37_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       issue_bench "${S37_RESERVE:-300}"
     else
@@ -463,7 +463,7 @@ PYEOF
     b1=(); b32=()
     for _ in $(seq $n); do
       b1+=(--compare-attr "$L.triton_linear:FMA_WIDE=True")
-      b32+=(--compare-attr "$L.triton_linear:CUBLAS_MARGIN=1.05" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=True")
+      b32+=(--compare-attr "$L.triton_linear:CUBLAS_MARGIN=1.05" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=False")
     done
     ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;

@@ -23,7 +23,8 @@ kernel waits for its predecessor to complete, completion is transitive along the
 written by a kernel that has completed. Kernels without
 the flag (cuBLAS, torch ops) are ordinary launches: they start after the previous kernel
 completes, and a PDL kernel after them waits for them to complete (no trigger: the
-implicit one at their end). One kernel triggers before it waits: rollout/l2_prefetch.py's
+implicit one at their end); the kernel right after a cuBLAS projection is itself launched
+the ordinary way (PLAIN_AFTER_CUBLAS, below), its wait then returning at once. One kernel triggers before it waits: rollout/l2_prefetch.py's
 (launched right after the attention), which loads and stores nothing and waits before it
 exits, so it completes only after its predecessor did and the chain stays ordered.
 
@@ -67,16 +68,19 @@ PDL_ENV = "MEGATRON_TLT_PDL"
 PREFETCH_ENV = "MEGATRON_TLT_PDL_PREFETCH_MB"
 PRELOAD_ENV = "MEGATRON_TLT_PDL_PRELOAD_KB"
 
-PLAIN_AFTER_CUBLAS = False
-"""Opt-in (session 37, until timed): the PDL kernel launched right after a cuBLAS
-projection takes an ordinary launch (its USE_PDL code unchanged: its wait then returns at
-once, the predecessor having completed before it started). Why it might pay: a PDL kernel
-may become resident as soon as its predecessor triggers, and a cuBLAS kernel that triggers
-early would then share its SMs with programs that only wait; session 32's ablation timed
-the SiLU * mul launched after the 7B batch-32 gate/up projection (cuBLAS there) at 12.7 us
-a layer of the step against 2.3 us alone. Same kernels, same order, same bits either way
-(tests/gpu/test_engine_gpu.py::test_plain_after_cublas_decode_equals_default). A/B:
-bench rollout --compare-attr megatron_tlt.rollout.pdl:PLAIN_AFTER_CUBLAS=True."""
+PLAIN_AFTER_CUBLAS = True
+"""The PDL kernel launched right after a cuBLAS projection takes an ordinary launch (its
+USE_PDL code unchanged: its wait then returns at once, the predecessor having completed
+before it started); False launches it with PDL as every other. A cuBLAS kernel may trigger
+its dependents early, and a PDL kernel's programs then sit resident on its SMs, waiting.
+Session 37 (H100, bench rollout --compare-attr, benchmarks/results/gpu_2026-12-07_session37):
+where the planner had taken cuBLAS for the 7B batch-32 gate/up projection the step ran
+1.016x faster with this; in the seven other cells (1.5B and 7B shapes, batch 1 / 8 / 16 /
+32), where no projection ran on cuBLAS and it changes nothing, 0.993x-1.001x (that run's
+noise). Same kernels, same order, same bits either way
+(tests/gpu/test_engine_gpu.py::test_plain_after_cublas_decode_equals_default, passed on
+the H100). On by default since session 37; A/B: bench rollout --compare-attr
+megatron_tlt.rollout.pdl:PLAIN_AFTER_CUBLAS=False."""
 
 _active = False
 _plain_next = False  # the next kwargs() of this context hands out an ordinary launch

@@ -1055,7 +1055,8 @@ def test_norm_early_weight_decode_equals_late_weight_decode(monkeypatch):
                     reason="programmatic dependent launch needs compute capability 9.0")
 def test_plain_after_cublas_decode_equals_default(monkeypatch):
     """pdl.PLAIN_AFTER_CUBLAS (the kernel after a cuBLAS projection launched without PDL,
-    same code): graph decode with every projection on cuBLAS gives the same tokens and
+    same code; the default since session 37): graph decode with every projection on cuBLAS
+    gives the same tokens and
     bit-identical logprobs with the knob on as off, bf16, batch 7, 40 steps, greedy and
     T=0.9 rows. Control: the run with it on did hand out ordinary launches of USE_PDL
     kernels (pdl.kwargs without launch_pdl), the run with it off none."""

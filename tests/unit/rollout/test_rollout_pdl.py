@@ -72,12 +72,13 @@ def test_preload_limit_from_the_environment_and_only_inside_pdl(monkeypatch):
 
 
 def test_plain_launch_after_cublas_only_when_asked(monkeypatch):
-    """pdl.plain_launch() (called by a cuBLAS projection): with PLAIN_AFTER_CUBLAS the next
-    launch of a PDL context takes the same USE_PDL code without launch_pdl, the one after it
-    PDL again; without the knob (the default), outside PDL, or across a context's entry and
-    exit it changes nothing."""
+    """pdl.plain_launch() (called by a cuBLAS projection): with PLAIN_AFTER_CUBLAS (the
+    default since session 37) the next launch of a PDL context takes the same USE_PDL code
+    without launch_pdl, the one after it PDL again; with the knob off, outside PDL, or
+    across a context's entry and exit it changes nothing."""
     on = {"USE_PDL": True, "launch_pdl": True}
-    assert pdl.PLAIN_AFTER_CUBLAS is False
+    assert pdl.PLAIN_AFTER_CUBLAS is True
+    monkeypatch.setattr(pdl, "PLAIN_AFTER_CUBLAS", False)
     with pdl.launches(True):
         pdl.plain_launch()
         assert pdl.kwargs() == on
