@@ -440,8 +440,8 @@ _FMA_WIDE = "fma_wide"
 CUBLAS_MARGIN = 1.0
 """Opt-in (session 37, until timed over whole steps; 1.0: off): the planner takes cuBLAS only
 where its time times this factor still beats every Triton config. Timing alone misses
-what a cuBLAS projection costs inside the step: no PDL (its successor cannot start under
-its tail). Session 37's H100 run: at the 7B shape, batch 32, the planner took cuBLAS for
+what a cuBLAS projection costs inside the step's chain of PDL launches (why exactly is not
+pinned down). Session 37's H100 run: at the 7B shape, batch 32, the planner took cuBLAS for
 the gate/up projection by 1% alone (98.03 against 98.89 us) and the step ran 6.233 ms,
 against 5.959 ms in session 36 where it had taken the Triton config; every projection on
 cuBLAS ran 6.067 ms. Plans made with a margin carry it in their key (read at planning:
