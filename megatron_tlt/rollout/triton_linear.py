@@ -559,7 +559,7 @@ class LinearPlanner(PlanCache):
         key = (_row_bucket(m), weight.shape[0], weight.shape[1], weight.dtype, split)
         if row_local:
             key += (_ROW_LOCAL,)
-        key += _wide_tag(_row_bucket(m)) + _margin_tag()
+        key += _wide_tag(key[0]) + _margin_tag()
         return self._choose(self.plans, key, lambda: self._tune(x, weight, key))
 
     def fused_config(self, kind: str,  # "norm" | "silu"
@@ -676,8 +676,9 @@ class LinearPlanner(PlanCache):
                     raise RuntimeError(f"cuBLAS linear failed for {key[:3]}: {e}") from e
                 continue
             times[str(cfg)] = us
-            if us * (CUBLAS_MARGIN if cfg.kind == "cublas" else 1.0) < best_score:
-                best, best_score = (cfg, us), us * (CUBLAS_MARGIN if cfg.kind == "cublas" else 1.0)
+            score = us * CUBLAS_MARGIN if cfg.kind == "cublas" else us
+            if score < best_score:
+                best, best_score = (cfg, us), score
         self.timings[key] = times
         return best
 
