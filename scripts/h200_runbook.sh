@@ -102,7 +102,8 @@
 #             projection on cuBLAS, and every projection on cuBLAS with the knob on
 #   s37b      bench rollout at batch 1 against triton_linear.FMA_WIDE=True, then at batch 32
 #             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS=False (~2 min;
-#             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans)
+#             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans);
+#             first the GPU test of FMA_WIDE's configs (S37B_TESTS=0 skips it; ~30 s)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -465,6 +466,8 @@ PYEOF
       b1+=(--compare-attr "$L.triton_linear:FMA_WIDE=True")
       b32+=(--compare-attr "$L.triton_linear:CUBLAS_MARGIN=1.05" --compare-attr "$L.pdl:PLAIN_AFTER_CUBLAS=False")
     done
+    [ "${S37B_TESTS:-1}" = 1 ] && pytest_stage "s37b tests" 200 gpu_tests_s37b.log \
+        tests/gpu/test_engine_gpu.py -k "fma_wide_configs"
     ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
   lsweep)

@@ -317,6 +317,42 @@ def test_triton_linear_configs_match_float32_product(m, n, k):
     assert rel_err(linear_partials(x, w.flip(1), candidate_configs(m, n, k)[-1]).sum(0), ref) > 0.1
 
 
+@pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 1536), (1536, 8960), (37888, 3584)])
+def test_fma_wide_configs_match_float32_product(n, k, monkeypatch):
+    """triton_linear.FMA_WIDE's extra one-row fma configs (2-warp programs over 256-column
+    tiles, 4-warp over 1024): the float32 planes sum to the float32 product (summation
+    order only), linear_into rounds like F.linear, the SiLU * mul and RMSNorm prologues
+    equal their kernels + the projection (as test_fused_prologues_match_separate_kernels_bf16);
+    the control's flipped weight must not match."""
+    import megatron_tlt.rollout.triton_linear as tlin
+    base = set(candidate_configs(1, n, k))
+    monkeypatch.setattr(tlin, "FMA_WIDE", True)
+    wide = [c for c in candidate_configs(1, n, k) if c not in base]
+    assert wide and all(c.kind == "fma" and c.num_warps in (2, 4) for c in wide)
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).to(CUDA)
+    w = (0.02 * torch.randn(n, k, generator=g)).to(torch.bfloat16).to(CUDA)
+    ref = x.float() @ w.float().T
+    gu = torch.randn(1, 1, 2 * k, generator=g).to(CUDA)
+    h = torch.randn(4, 1, k, generator=g).to(CUDA)
+    res = torch.randn(1, k, generator=g).to(torch.bfloat16).to(CUDA)
+    nw = (0.1 * torch.randn(k, generator=g) + 1).to(torch.bfloat16).to(CUDA)
+    for cfg in wide:
+        planes = linear_partials(x, w, cfg)
+        assert planes.shape == (cfg.splits, 1, n), cfg
+        assert rel_err(planes.sum(0), ref) < 5e-5, cfg
+        out = torch.empty(1, n, dtype=torch.float32, device=CUDA)
+        assert rel_err(linear_into(x, w, out, cfg), F.linear(x, w).float()) < 1e-2, cfg
+        silu_ref = linear_partials(silu_mul(gu, dtype=torch.bfloat16), w, cfg)
+        assert rel_err(silu_linear_partials(gu, w, cfg).sum(0), silu_ref.sum(0)) < 5e-5, cfg
+        r = res.clone()
+        norm_ref = linear_partials(rms_norm(h, nw, 1e-6, residual=r), w, cfg)
+        norm_out, new_res = norm_linear_partials(h, res, nw, 1e-6, w, cfg)
+        assert torch.equal(new_res, r), cfg
+        assert rel_err(norm_out.sum(0), norm_ref.sum(0)) < 1e-2, cfg
+    assert rel_err(linear_partials(x, w.flip(1), wide[-1]).sum(0), ref) > 0.1
+
+
 @pytest.mark.parametrize("hidden,inter", [(1536, 8960), (3584, 18944)])
 def test_fused_prologues_match_separate_kernels_bf16(hidden, inter):
     """bf16, batch 1, every Triton config (dot and fma): SiLU * mul in the down projection's prologue ==
