@@ -104,6 +104,10 @@
 #             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS=False (~2 min;
 #             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans);
 #             first the GPU test of FMA_WIDE's configs (S37B_TESTS=0 skips it; ~30 s)
+#   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
+#             (S38_TESTS=0 skips them), then bench rollout at batch 1 against FUSED_MLP=True
+#             with the default launch shape, RMSNorm first, 32-column chunks, one program per
+#             SM and 8 warps (random weights, no target needed)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -470,6 +474,13 @@ PYEOF
         tests/gpu/test_engine_gpu.py -k "fma_wide_configs"
     ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
+  s38)
+    G=megatron_tlt.rollout.gpu_model
+    [ "${S38_TESTS:-1}" = 1 ] && pytest_stage "s38 tests" 240 gpu_tests_s38.log tests/gpu/test_fused_mlp_gpu.py
+    cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$G:FUSED_MLP=True;$G:MLP_NORM_PROLOGUE=False"
+         --compare-attr "$G:FUSED_MLP=True;$G:MLP_CHUNK=32" --compare-attr "$G:FUSED_MLP=True;$G:MLP_PROGRAMS_PER_SM=1"
+         --compare-attr "$G:FUSED_MLP=True;$G:MLP_WARPS=8")
+    ab_bench s38 5 --batch-sizes 1 "${cmp[@]}" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
@@ -481,6 +492,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s38 lsweep gputests)" ;;
 esac
 exit 0

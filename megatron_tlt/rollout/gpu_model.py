@@ -51,8 +51,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
-                                                linear_partials, norm_linear_partials,
-                                                silu_linear_partials)
+                                                linear_partials, mlp_fused, norm_linear_partials,
+                                                plane_value, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -86,10 +86,11 @@ def _mul_rn(x, y):
 
 @triton.jit
 def _sum_planes(ptr, stride_s, offs, mask, S: tl.constexpr):
-    """float32 sum of S partial-sum planes (triton_linear.py), added in plane order."""
-    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """float32 sum of S partial-sum planes (triton_linear.py), added in plane order (an int64
+    plane: triton_linear.mlp_fused's fixed-point sums, triton_linear.plane_value)."""
+    acc = plane_value(tl.load(ptr + offs, mask=mask, other=0))
     for s in tl.static_range(1, S):
-        acc += tl.load(ptr + s * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += plane_value(tl.load(ptr + s * stride_s + offs, mask=mask, other=0))
     return acc
 
 
@@ -251,6 +252,38 @@ HBM idle. Only under PDL (rollout/pdl.py) and with the fused attention (rope_att
 shapes, batch 1 / 8 / 32; larger budgets gained more at batch 1 and lost at 32:
 l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
 --compare-attr megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
+
+
+FUSED_MLP: bool = False
+"""Opt-in (session 38, until timed over whole steps on the GPU): a one-row decode forward
+runs each layer's gate/up projection, SiLU * mul and down projection as one launch
+(triton_linear.mlp_fused: each program computes MLP_CHUNK intermediate columns and adds
+their share of the down projection into a fixed-point int64 row with integer atomics,
+deterministic; the next kernel reads it as its one plane). It removes the dependent launch
+between the two projections, where the down projection's programs wait for the gate/up
+projection's last ones and then start their reads from nothing. Other row counts (batches
+above 1, verify, extend) keep the separate kernels. Read at each forward (bench rollout
+--compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True; graphs recaptured)."""
+MLP_CHUNK: int | None = None
+"""Intermediate columns per program of the fused MLP; None: the intermediate size over
+MLP_PROGRAMS_PER_SM programs per SM, rounded up."""
+MLP_PROGRAMS_PER_SM: int = 2
+MLP_NORM_PROLOGUE: bool = True
+"""The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
+program, as norm_linear_partials); False: rms_norm first, a launch more."""
+MLP_BLOCK_K: int | None = None
+"""Input columns per gate/up tile of the fused MLP; None: 4096 / its padded chunk (min 32)."""
+MLP_BLOCK_H: int | None = None
+"""Output columns per down tile of the fused MLP; None: 4096 / its padded chunk (min 16)."""
+MLP_WARPS: int = 4
+
+
+def mlp_launch_config(inter: int, device: torch.device | str) -> dict:
+    """The fused MLP's chunk and tiles for an intermediate size on this device (MLP_* knobs)."""
+    chunk = MLP_CHUNK or -(-inter // (MLP_PROGRAMS_PER_SM * num_sms(device)))
+    block_i = _next_pow2(chunk)
+    return dict(chunk=chunk, block_k=MLP_BLOCK_K or max(32, 4096 // block_i),
+                block_h=MLP_BLOCK_H or max(16, 4096 // block_i), num_warps=MLP_WARPS)
 
 
 def norm_warps(block: int) -> int:
@@ -831,6 +864,14 @@ class DecodeModel:
         plan = self.planner
         # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
         prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
+        # one row: each layer's MLP in one launch (FUSED_MLP), its output the int64 plane
+        # mlp_acc[layer], zeroed here for every layer at once
+        mlp = (FUSED_MLP and input_ids.shape[0] == 1 and query_start is None
+               and (w.embed.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+        if mlp:
+            mlp_acc = torch.zeros(len(w.layers), 1, a.hidden_size, dtype=torch.int64,
+                                  device=w.embed.device)
+            mlp_cfg = mlp_launch_config(a.intermediate_size, w.embed.device)
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
@@ -859,8 +900,17 @@ class DecodeModel:
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
-            glu = plan.glu_config(residual, lw.gate_up_weight)
-            if glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
+            glu = None if mlp else plan.glu_config(residual, lw.gate_up_weight)
+            if mlp:
+                if MLP_NORM_PROLOGUE:
+                    residual = mlp_fused(h, lw.gate_up_weight, lw.down_weight, mlp_acc[layer],
+                                         residual=residual, norm_weight=lw.post_attn_norm,
+                                         eps=eps, bias=lw.o_bias, **mlp_cfg)
+                else:
+                    y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
+                    mlp_fused(y, lw.gate_up_weight, lw.down_weight, mlp_acc[layer], **mlp_cfg)
+                h = mlp_acc[layer]
+            elif glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
                 y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
                 h = self._linear(glu_linear(y, lw.gate_up_weight, glu), lw.down_weight)
             else:

@@ -1,0 +1,120 @@
+"""triton_linear.mlp_fused (a one-row step's gate/up projection, SiLU * mul and down
+projection in one launch, gpu_model.FUSED_MLP) on the GPU: bf16, compiled, against the
+separate kernels; its integer-atomic sums the same bits on every run; graph decode with it
+equals eager decode with it, and with and without programmatic dependent launch."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from test_engine_gpu import engine, rel_err, small_model  # noqa: E402
+
+from megatron_tlt.rollout import Request, SamplingParams, pdl  # noqa: E402
+from megatron_tlt.rollout import gpu_model as gm  # noqa: E402
+from megatron_tlt.rollout.gpu_model import mlp_launch_config, rms_norm, silu_mul  # noqa: E402
+from megatron_tlt.rollout.triton_linear import FIXED_SCALE, LinearConfig, linear_partials, mlp_fused  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def _value(acc):
+    return acc.double() / FIXED_SCALE
+
+
+@pytest.mark.parametrize("h,i", [(1536, 8960), (3584, 18944), (256, 512)])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_mlp_fused_matches_separate_kernels_and_repeats_bit_for_bit(h, i, use_pdl):
+    """bf16: within 1e-2 (relative to the largest output) of gate/up projection + silu_mul +
+    down projection (the gate/up products' bf16 roundings may differ in a last bit where
+    their float32 sums differ in order); 20 launches give the same int64 row (atomics land
+    in any order; integer sums do not care); the flipped down weight does not match."""
+    if use_pdl and not pdl.supported(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(h)
+    bf = lambda *s, sc=1.0: (sc * torch.randn(*s, generator=g, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    x, gate_up, down = bf(1, h), bf(2 * i, h, sc=0.03), bf(h, i, sc=0.03)
+    fma = LinearConfig("fma", block_m=1, block_n=8, block_k=512, splits=1)
+    ref = linear_partials(silu_mul(linear_partials(x, gate_up, fma), dtype=torch.bfloat16), down, fma)[0]
+    kw = mlp_launch_config(i, CUDA)
+    runs = []
+    with pdl.launches(use_pdl, 0, 0):
+        for _ in range(20):
+            acc = torch.zeros(1, h, dtype=torch.int64, device=CUDA)
+            mlp_fused(x, gate_up, down, acc, **kw)
+            runs.append(acc)
+    torch.cuda.synchronize()
+    assert rel_err(_value(runs[0]), ref.double()) < 1e-2
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    bad = torch.zeros(1, h, dtype=torch.int64, device=CUDA)
+    mlp_fused(x, gate_up, down.flip(1), bad, **kw)
+    assert rel_err(_value(bad), ref.double()) > 0.1
+
+
+@pytest.mark.parametrize("chunk,block_k,block_h,warps", [(34, 64, 64, 4), (32, 128, 128, 4), (64, 64, 64, 8),
+                                                         (70, 32, 32, 4)])
+def test_mlp_fused_norm_prologue_and_launch_shapes(chunk, block_k, block_h, warps):
+    """The norm prologue (every program normalises residual + planes + bias itself): the
+    new residual exactly rms_norm's; the sums within 1e-2 of rms_norm's output fed to the
+    plain kernel (the prologue's mean square is summed in chunks); at each launch shape."""
+    h, i = 1536, 8960
+    g = torch.Generator(device="cuda").manual_seed(chunk)
+    bf = lambda *s, sc=1.0: (sc * torch.randn(*s, generator=g, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    planes = torch.randn(3, 1, h, generator=g, device="cuda")
+    res, nw, bias = bf(1, h), bf(h, sc=0.1) + 1, bf(h)
+    gate_up, down = bf(2 * i, h, sc=0.03), bf(h, i, sc=0.03)
+    kw = dict(chunk=chunk, block_k=block_k, block_h=block_h, num_warps=warps)
+    acc = torch.zeros(1, h, dtype=torch.int64, device=CUDA)
+    new_res = mlp_fused(planes, gate_up, down, acc, residual=res, norm_weight=nw, eps=1e-6,
+                        bias=bias, **kw)
+    r = res.clone()
+    y = rms_norm(planes, nw, 1e-6, residual=r, bias=bias)
+    assert torch.equal(new_res, r)
+    acc2 = torch.zeros(1, h, dtype=torch.int64, device=CUDA)
+    mlp_fused(y, gate_up, down, acc2, **kw)
+    assert rel_err(_value(acc), _value(acc2)) < 1e-2
+
+
+def _one_at_a_time(eng, arch, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate([1, 40, 130]):
+        req = Request(prompt_id=f"p{i}", prompt_token_ids=torch.randint(0, arch.vocab_size, (n,), generator=g).tolist(),
+                      sampling_params=SamplingParams(temperature=0.9 if i % 2 else 0.0, seed=i,
+                                                     max_new_tokens=24, min_new_tokens=24))
+        (r,) = eng.generate([req])
+        assert r.error is None and len(r.token_ids) == 24
+        out.append((r.token_ids, r.logprobs))
+    return out
+
+
+def test_fused_mlp_graph_decode_equals_eager_and_plain_launches(monkeypatch):
+    """FUSED_MLP on, one sequence at a time (the only row count it serves): graph decode ==
+    eager decode, tokens and logprobs bit for bit; with PDL == without (a fused MLP running
+    ahead of its inputs, or its zeroed rows, would differ). Control: mlp_fused ran, once
+    per layer per step, in every engine."""
+    dtype = torch.bfloat16
+    arch, w = small_model(dtype, seed=7)
+    calls = {"n": 0}
+    real = gm.mlp_fused
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+    monkeypatch.setattr(gm, "mlp_fused", counted)
+    monkeypatch.setattr(gm, "FUSED_MLP", True)
+    outs = {}
+    for name, graphs, use_pdl in (("eager", False, True), ("graph", True, True), ("graph-plain", True, False)):
+        before = calls["n"]
+        eng = engine(arch, w, dtype, attention_backend="triton", cuda_graphs=graphs)
+        eng.decode_runner.model.pdl = use_pdl and eng.decode_runner.model.pdl
+        outs[name] = _one_at_a_time(eng, arch)
+        ran = calls["n"] - before  # eager: each layer of each of 3 x 23 decode steps;
+        assert ran >= (arch.num_layers if graphs else arch.num_layers * 3 * 23), (name, ran)  # graphs: at capture
+    assert outs["graph"] == outs["eager"]
+    assert outs["graph-plain"] == outs["graph"]

@@ -1,0 +1,129 @@
+"""The one-launch MLP of a one-row decode step (triton_linear.mlp_fused, gpu_model.FUSED_MLP)
+== its PyTorch reference; float32 on CPU through Triton's interpreter (bf16 and the compiled
+kernel, its atomics' determinism included, run in tests/gpu/test_fused_mlp_gpu.py)."""
+
+import pytest
+import torch
+
+from rollout_testutil import triton_interpreter  # noqa: E402
+
+pytestmark = triton_interpreter()
+
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
+from megatron_tlt.rollout.gpu_model import DecodeModel, rms_norm  # noqa: E402
+from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
+from megatron_tlt.rollout.model import InferenceModel  # noqa: E402
+from megatron_tlt.rollout.triton_linear import FIXED_SCALE, LinearConfig, LinearPlanner, mlp_fused  # noqa: E402
+from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
+
+
+def _mlp_ref(x, gate_up, down):
+    """float64 down(SiLU(gate) * up) of a float32 row (float32 rounds nothing here)."""
+    i = down.shape[1]
+    gu = x.double() @ gate_up.double().T
+    return (F.silu(gu[:, :i]) * gu[:, i:]) @ down.double().T
+
+
+def _rel(out, ref):
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+@pytest.mark.parametrize("h,i,chunk,block_k,block_h",
+                         [(64, 96, 12, 32, 16), (48, 200, 32, 16, 64), (80, 130, 7, 64, 32)])
+def test_mlp_fused_equals_the_two_projections(h, i, chunk, block_k, block_h):
+    g = torch.Generator().manual_seed(h + i)
+    x = torch.randn(1, h, generator=g)
+    gate_up = 0.2 * torch.randn(2 * i, h, generator=g)
+    down = 0.2 * torch.randn(h, i, generator=g)
+    acc = torch.zeros(1, h, dtype=torch.int64)
+    assert mlp_fused(x, gate_up, down, acc, chunk=chunk, block_k=block_k, block_h=block_h,
+                     num_warps=4) is None
+    ref = _mlp_ref(x, gate_up, down)
+    assert _rel(acc.double() / FIXED_SCALE, ref) < 1e-5
+    # the consumer reads the int64 row as a plane: rms_norm of it == rms_norm of its value
+    nw, res = torch.randn(h, generator=g), torch.randn(1, h, generator=g)
+    r1, r2 = res.clone(), res.clone()
+    out = rms_norm(acc.unsqueeze(0), nw, 1e-6, residual=r1)
+    want = rms_norm((acc.double() / FIXED_SCALE).float().unsqueeze(0), nw, 1e-6, residual=r2)
+    assert torch.equal(out, want) and torch.equal(r1, r2)
+    # control: the down weight's columns reversed must not match
+    bad = torch.zeros(1, h, dtype=torch.int64)
+    mlp_fused(x, gate_up, down.flip(1), bad, chunk=chunk, block_k=block_k, block_h=block_h, num_warps=4)
+    assert _rel(bad.double() / FIXED_SCALE, ref) > 0.1
+
+
+def test_mlp_fused_norm_prologue_equals_rms_norm_then_mlp():
+    """The RMSNorm(residual + planes + bias) prologue: the new residual exactly rms_norm's,
+    the sums equal those of rms_norm's output fed to the plain kernel (same tiles)."""
+    h, i = 64, 96
+    g = torch.Generator().manual_seed(5)
+    planes = torch.randn(3, 1, h, generator=g)
+    res, nw, bias = torch.randn(1, h, generator=g), torch.randn(h, generator=g), torch.randn(h, generator=g)
+    gate_up, down = 0.2 * torch.randn(2 * i, h, generator=g), 0.2 * torch.randn(h, i, generator=g)
+    kw = dict(chunk=16, block_k=32, block_h=32, num_warps=4)
+    acc = torch.zeros(1, h, dtype=torch.int64)
+    new_res = mlp_fused(planes, gate_up, down, acc, residual=res, norm_weight=nw, eps=1e-6,
+                        bias=bias, **kw)
+    r = res.clone()
+    y = rms_norm(planes, nw, 1e-6, residual=r, bias=bias)
+    assert torch.equal(new_res, r)
+    acc2 = torch.zeros(1, h, dtype=torch.int64)
+    mlp_fused(y, gate_up, down, acc2, **kw)
+    assert torch.equal(acc, acc2)
+
+
+def test_mlp_fused_rejects_bad_arguments():
+    x, gu, down = torch.zeros(1, 8), torch.zeros(12, 8), torch.zeros(8, 6)
+    kw = dict(chunk=4, block_k=8, block_h=8, num_warps=4)
+    with pytest.raises(ValueError, match="int64"):
+        mlp_fused(x, gu, down, torch.zeros(1, 8), **kw)
+    with pytest.raises(ValueError, match="disagree"):
+        mlp_fused(x, gu, torch.zeros(8, 5), torch.zeros(1, 8, dtype=torch.int64), **kw)
+    with pytest.raises(ValueError, match=r"\[1, 8\]"):
+        mlp_fused(torch.zeros(2, 8), gu, down, torch.zeros(1, 8, dtype=torch.int64), **kw)
+
+
+@pytest.mark.parametrize("prologue,qkv_fused", [(True, False), (False, False), (True, True)],
+                         ids=["norm-prologue", "rms-norm-first", "qkv-norm-prologue-reads-it"])
+def test_decode_model_fused_mlp_matches_inference_model(prologue, qkv_fused, monkeypatch):
+    """FUSED_MLP on: a one-row step runs mlp_fused once a layer (no silu_mul) and its
+    logits match the reference forward (the next layer's QKV reads the int64 row through
+    rms_norm, or through its own norm prologue with qkv_fused); a two-row step keeps the
+    separate kernels."""
+    import megatron_tlt.rollout.gpu_model as gm
+    monkeypatch.setattr(gm, "FUSED_MLP", True)
+    monkeypatch.setattr(gm, "MLP_NORM_PROLOGUE", prologue)
+    calls = {"mlp_fused": 0, "silu_mul": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(gm, "mlp_fused", counted("mlp_fused", gm.mlp_fused))
+    monkeypatch.setattr(gm, "silu_mul", counted("silu_mul", gm.silu_mul))
+    arch = _arch("qwen2", True)
+    w = _weights(arch, seed=1)
+    ref_model = InferenceModel(arch, w, max_positions=64, batch_invariant=False)
+    fma = LinearConfig("fma", block_m=1, block_n=8, block_k=32, splits=2)
+    i32 = lambda t: t.to(torch.int32)  # noqa: E731
+    for ids, pos, bt in ((torch.tensor([3]), torch.tensor([5]), torch.tensor([[2, 5, 0]])),
+                         (torch.tensor([3, 7]), torch.tensor([5, 2]), torch.tensor([[2, 5, 0], [1, 0, 0]]))):
+        cfg = fma if len(ids) == 1 else LinearConfig("dot", block_m=16, block_n=16, block_k=32)
+        fast = DecodeModel(arch, w, ref_model.cos, ref_model.sin,
+                           planner=LinearPlanner(fixed=cfg, fixed_fused=qkv_fused))
+        caches = [PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_blocks=8, block_size=4)
+                  for _ in range(2)]
+        slots = torch.stack([bt[b, p // 4] * 4 + p % 4 for b, p in enumerate(pos.tolist())])
+        meta = AttentionMetadata(slot_mapping=slots, query_start=torch.arange(len(ids) + 1),
+                                 context_lens=pos + 1, block_tables=bt)
+        ref = ref_model.forward(ids, pos, caches[0], meta).logits
+        before = dict(calls)
+        out = fast.forward(i32(ids), i32(pos), i32(slots), i32(bt), i32(pos + 1), caches[1], num_splits=2)
+        used = {k: calls[k] - before[k] for k in calls}
+        layers = arch.num_layers
+        assert used == ({"mlp_fused": layers, "silu_mul": 0} if len(ids) == 1
+                        else {"mlp_fused": 0, "silu_mul": 0 if qkv_fused else layers}), used
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
