@@ -105,9 +105,9 @@
 #             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans);
 #             first the GPU test of FMA_WIDE's configs (S37B_TESTS=0 skips it; ~30 s)
 #   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
-#             (S38_TESTS=0 skips them), then bench rollout at batch 1 against FUSED_MLP=True
-#             with the default launch shape, RMSNorm first, 32-column chunks, one program per
-#             SM and 8 warps (random weights, no target needed)
+#             (S38_TESTS=0 skips them), then bench rollout at batch 1 against FUSED_MLP=True:
+#             barrier mode as is, with RMSNorm first, 4 warps, 16-column steps; atomic mode
+#             as is, with 32-column chunks, with 8 warps (random weights, no target needed)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -477,9 +477,10 @@ PYEOF
   s38)
     G=megatron_tlt.rollout.gpu_model
     [ "${S38_TESTS:-1}" = 1 ] && pytest_stage "s38 tests" 240 gpu_tests_s38.log tests/gpu/test_fused_mlp_gpu.py
+    A="$G:FUSED_MLP=True;$G:MLP_MODE='atomic'"
     cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$G:FUSED_MLP=True;$G:MLP_NORM_PROLOGUE=False"
-         --compare-attr "$G:FUSED_MLP=True;$G:MLP_CHUNK=32" --compare-attr "$G:FUSED_MLP=True;$G:MLP_PROGRAMS_PER_SM=1"
-         --compare-attr "$G:FUSED_MLP=True;$G:MLP_WARPS=8")
+         --compare-attr "$G:FUSED_MLP=True;$G:MLP_WARPS=4" --compare-attr "$G:FUSED_MLP=True;$G:MLP_BLOCK_I=16"
+         --compare-attr "$A" --compare-attr "$A;$G:MLP_CHUNK=32" --compare-attr "$A;$G:MLP_WARPS=8")
     ab_bench s38 5 --batch-sizes 1 "${cmp[@]}" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \

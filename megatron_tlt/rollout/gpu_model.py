@@ -51,7 +51,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
-                                                linear_partials, mlp_fused, norm_linear_partials,
+                                                linear_partials, mlp_barrier, mlp_fused,
+                                                norm_linear_partials,
                                                 plane_value, silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
@@ -256,34 +257,53 @@ l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
 
 FUSED_MLP: bool = False
 """Opt-in (session 38, until timed over whole steps on the GPU): a one-row decode forward
-runs each layer's gate/up projection, SiLU * mul and down projection as one launch
-(triton_linear.mlp_fused: each program computes MLP_CHUNK intermediate columns and adds
-their share of the down projection into a fixed-point int64 row with integer atomics,
-deterministic; the next kernel reads it as its one plane). It removes the dependent launch
-between the two projections, where the down projection's programs wait for the gate/up
-projection's last ones and then start their reads from nothing. Other row counts (batches
-above 1, verify, extend) keep the separate kernels. Read at each forward (bench rollout
---compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True; graphs recaptured)."""
+runs each layer's gate/up projection, SiLU * mul and down projection as one launch. It
+removes the dependent launch between the two projections, where the down projection's
+programs wait for the gate/up projection's last ones and then start their reads from
+nothing. Two ways (MLP_MODE), both deterministic: "barrier" (triton_linear.mlp_barrier:
+one program per SM; each computes its share of SiLU(gate) * up, asks L2 for its rows of
+the down projection, meets the others at a grid barrier, then computes its output
+columns over all of it; one float32 plane) and "atomic" (triton_linear.mlp_fused: each
+program adds its intermediate columns' share of the down projection into a fixed-point
+int64 row with integer atomics, read by the next kernel as its one plane). Other row
+counts (batches above 1, verify, extend) keep the separate kernels. Read at each forward
+(bench rollout --compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True; graphs
+recaptured)."""
+MLP_MODE: str = "barrier"
+"""The fused MLP's kind: "barrier" or "atomic" (FUSED_MLP)."""
 MLP_CHUNK: int | None = None
-"""Intermediate columns per program of the fused MLP; None: the intermediate size over
+"""Atomic mode: intermediate columns per program; None: the intermediate size over
 MLP_PROGRAMS_PER_SM programs per SM, rounded up."""
 MLP_PROGRAMS_PER_SM: int = 2
+"""Atomic mode: programs per SM (MLP_CHUNK None)."""
 MLP_NORM_PROLOGUE: bool = True
 """The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
 program, as norm_linear_partials); False: rms_norm first, a launch more."""
 MLP_BLOCK_K: int | None = None
-"""Input columns per gate/up tile of the fused MLP; None: 4096 / its padded chunk (min 32)."""
+"""Input columns per gate/up tile of the fused MLP; None: atomic mode 4096 / its padded
+chunk (min 32), barrier mode 256."""
 MLP_BLOCK_H: int | None = None
-"""Output columns per down tile of the fused MLP; None: 4096 / its padded chunk (min 16)."""
-MLP_WARPS: int = 4
+"""Atomic mode: output columns per down tile; None: 4096 / its padded chunk (min 16)."""
+MLP_WARPS: int | None = None
+"""Warps of a fused MLP program; None: 4 (atomic mode), 8 (barrier mode: one program per SM)."""
+MLP_BLOCK_I: int = 32
+"""Barrier mode: the most intermediate columns a program computes at a time."""
+MLP_BLOCK_KD: int = 512
+"""Barrier mode: intermediate columns per down-projection tile."""
 
 
 def mlp_launch_config(inter: int, device: torch.device | str) -> dict:
-    """The fused MLP's chunk and tiles for an intermediate size on this device (MLP_* knobs)."""
+    """The atomic fused MLP's chunk and tiles for an intermediate size on this device (MLP_* knobs)."""
     chunk = MLP_CHUNK or -(-inter // (MLP_PROGRAMS_PER_SM * num_sms(device)))
     block_i = _next_pow2(chunk)
     return dict(chunk=chunk, block_k=MLP_BLOCK_K or max(32, 4096 // block_i),
-                block_h=MLP_BLOCK_H or max(16, 4096 // block_i), num_warps=MLP_WARPS)
+                block_h=MLP_BLOCK_H or max(16, 4096 // block_i), num_warps=MLP_WARPS or 4)
+
+
+def mlp_barrier_config(device: torch.device | str) -> dict:
+    """The barrier fused MLP's launch on this device (MLP_* knobs): one program per SM."""
+    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K or 256, block_kd=MLP_BLOCK_KD,
+                num_warps=MLP_WARPS or 8, max_block_i=MLP_BLOCK_I)
 
 
 def norm_warps(block: int) -> int:
@@ -806,11 +826,25 @@ class DecodeModel:
         by default since session 24: faster in every bench rollout configuration timed
         (1.5B and 7B shapes, batch 1/8/32, with and without PDL): 1.008-1.037x on an
         H100, 1.005-1.024x on an H200 (benchmarks/results/gpu_2026-12-05_session24)."""
+        self._barrier_table = torch.zeros(16, dtype=torch.int64, device=weights.device)
+        self._barrier_slots: dict[int, int] = {}
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
         on by default on a Hopper or later GPU (MEGATRON_TLT_PDL=0 turns it off); a runner's
         graphs take the setting they were captured with (release() and recapture after
         changing it)."""
+
+    def _barrier_counter(self, programs: int) -> torch.Tensor:
+        """The grid barrier counter of barrier-mode fused MLPs of `programs` programs (one per
+        launch size: each launch waits for the next multiple of its size): one int64 of
+        a table made with the model (nothing allocated here, so graph capture may ask),
+        never reset."""
+        slot = self._barrier_slots.get(programs)
+        if slot is None:
+            if len(self._barrier_slots) == self._barrier_table.numel():
+                raise RuntimeError("DecodeModel: too many fused-MLP launch sizes")
+            slot = self._barrier_slots[programs] = len(self._barrier_slots)
+        return self._barrier_table[slot:slot + 1]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_partials(x, weight, self.planner.config(x, weight))
@@ -868,7 +902,13 @@ class DecodeModel:
         # mlp_acc[layer], zeroed here for every layer at once
         mlp = (FUSED_MLP and input_ids.shape[0] == 1 and query_start is None
                and (w.embed.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-        if mlp:
+        barrier = mlp and MLP_MODE == "barrier"
+        if mlp and MLP_MODE not in ("barrier", "atomic"):
+            raise ValueError(f"gpu_model.MLP_MODE={MLP_MODE!r}: 'barrier' or 'atomic'")
+        if barrier:
+            mlp_cfg = mlp_barrier_config(w.embed.device)
+            counter = self._barrier_counter(mlp_cfg["programs"])
+        elif mlp:
             mlp_acc = torch.zeros(len(w.layers), 1, a.hidden_size, dtype=torch.int64,
                                   device=w.embed.device)
             mlp_cfg = mlp_launch_config(a.intermediate_size, w.embed.device)
@@ -901,7 +941,15 @@ class DecodeModel:
                                     **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             glu = None if mlp else plan.glu_config(residual, lw.gate_up_weight)
-            if mlp:
+            if barrier:
+                if MLP_NORM_PROLOGUE:
+                    h, residual = mlp_barrier(h, lw.gate_up_weight, lw.down_weight, counter,
+                                              residual=residual, norm_weight=lw.post_attn_norm,
+                                              eps=eps, bias=lw.o_bias, **mlp_cfg)
+                else:
+                    y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
+                    h, _ = mlp_barrier(y, lw.gate_up_weight, lw.down_weight, counter, **mlp_cfg)
+            elif mlp:
                 if MLP_NORM_PROLOGUE:
                     residual = mlp_fused(h, lw.gate_up_weight, lw.down_weight, mlp_acc[layer],
                                          residual=residual, norm_weight=lw.post_attn_norm,

@@ -464,6 +464,85 @@ def _mlp_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, 
         tl.atomic_add(acc_ptr + rn, (part * 4294967296.0).to(tl.int64), mask=n_ok, sem="relaxed")
 
 
+@triton.jit
+def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, stride_gu,
+                        down_ptr, stride_down, xi_ptr, out_ptr, cnt_ptr, H, I, step,
+                        BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_KD: tl.constexpr, PHASE: tl.constexpr, S_IN: tl.constexpr,
+                        PRO: tl.constexpr, HAS_BIAS: tl.constexpr, LINE: tl.constexpr = 64,
+                        USE_PDL: tl.constexpr = False):
+    # One row, P programs (all resident at once: at most one per SM). Phase 1: program p
+    # computes the intermediate columns [p I / P, (p + 1) I / P) (gate and up products, fma,
+    # `step` <= BLOCK_I at a time), stores SiLU(gate) * up in the model dtype (silu_mul's roundings)
+    # into xi, asks L2 for its down rows, and waits at a grid barrier (a counter that only
+    # grows: this launch's programs wait for the next multiple of P). Phase 2: program p
+    # computes the output columns [p H / P, (p + 1) H / P) over all of xi: one float32
+    # plane, no atomics on the data. PHASE 1 / 2 run one phase (two launches: the
+    # interpreter runs programs one after another, where the barrier cannot wait).
+    DT = gu_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_lo = pid * H // P
+    n_hi = (pid + 1) * H // P
+    rn = n_lo + tl.arange(0, BLOCK_N)
+    n_ok = rn < n_hi
+    if PHASE != 2:
+        pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store
+        rm = tl.arange(0, 1)
+        m_ok = rm < 1
+        rstd = tl.zeros([1], tl.float32)
+        if PRO == 2:  # the whole row's mean square first (every program), as _linear_kernel
+            ss = tl.zeros([1], tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                h = _residual_sum(x_ptr, stride_xs, 0, b_ptr, r_ptr, 0, rm, rk,
+                                  m_ok[:, None] & (rk < H)[None, :], gu_ptr, S_IN, HAS_BIAS)
+                ss += tl.sum(h * h, 1)
+            rstd = tl.rsqrt(ss / H + eps)
+        i_lo = pid * I // P
+        i_hi = (pid + 1) * I // P
+        for i0 in range(i_lo, i_hi, step):
+            ri = i0 + tl.arange(0, BLOCK_I)
+            i_ok = (ri < i0 + step) & (ri < i_hi)
+            g_rows = gu_ptr + ri.to(tl.int64)[:, None] * stride_gu
+            u_rows = gu_ptr + (ri + I).to(tl.int64)[:, None] * stride_gu
+            acc_g = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
+            acc_u = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                x = _x_in(k0, H, x_ptr, stride_xs, 0, b_ptr, r_ptr, r_out_ptr, nw_ptr, 0, rstd, rm,
+                          m_ok, H, (pid == 0) & (i0 == i_lo), gu_ptr, 0, BLOCK_K, False, S_IN,
+                          PRO, HAS_BIAS)
+                acc_g = _mac(acc_g, _w_tile(g_rows, i_ok, k0, H, BLOCK_K), x, False)
+                acc_u = _mac(acc_u, _w_tile(u_rows, i_ok, k0, H, BLOCK_K), x, False)
+            g = tl.sum(acc_g, 1).to(DT).to(tl.float32)  # the projection output's rounding
+            u = tl.sum(acc_u, 1).to(DT).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+            tl.store(xi_ptr + ri, (a * u).to(DT), mask=i_ok)
+        if PHASE == 0:
+            _prefetch_slab(down_ptr, tl.where(n_ok, rn, n_lo), H, stride_down, 0, I, LINE)
+            # every thread's stores above, then one release at GPU scope (as a split-K
+            # semaphore), then wait until every program of this launch has arrived
+            tl.debug_barrier()
+            old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+            target = (old // P + 1) * P
+            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+            while seen < target:
+                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+    if PHASE == 2:
+        pdl_enter(USE_PDL)
+    if PHASE != 1:
+        w_rows = down_ptr + rn.to(tl.int64)[:, None] * stride_down
+        acc = tl.zeros([BLOCK_N, BLOCK_KD], tl.float32)
+        for k0 in range(0, I, BLOCK_KD):
+            rk = k0 + tl.arange(0, BLOCK_KD)
+            k_ok = rk < I
+            xv = tl.load(xi_ptr + rk, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv[None, :]
+        tl.store(out_ptr + rn, tl.sum(acc, 1), mask=n_ok)
+
+
 def mlp_fused(planes: torch.Tensor,  # [S, 1, H]: the previous projection's planes (pro 2), or x [1, H] (pro 0)
               gate_up: torch.Tensor,  # [2 I, H]: gate rows, then up rows
               down: torch.Tensor,  # [H, I]
@@ -508,6 +587,65 @@ def mlp_fused(planes: torch.Tensor,  # [S, 1, H]: the previous projection's plan
                       BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_H=block_h, S_IN=s_in, PRO=pro,
                       HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.kwargs())
     return new_res
+
+
+def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x [1, H]
+                gate_up: torch.Tensor,  # [2 I, H]: gate rows, then up rows
+                down: torch.Tensor,  # [H, I]
+                counter: torch.Tensor,  # [1] int64 on the device, only ever incremented (a grid barrier's)
+                *, programs: int, block_k: int, block_kd: int, num_warps: int,
+                max_block_i: int = 32, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                bias: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([1, 1, H] float32 plane, new residual)
+    """down(SiLU(x @ gate.T) * (x @ up.T)) for one row in one launch of `programs` programs
+    that meet at a grid barrier between the two projections (_mlp_barrier_kernel): every
+    program must be resident at once, so at most one per SM (the caller's choice). The
+    result is one float32 plane, each output column summed by one program (deterministic).
+    With `residual` and `norm_weight`: x = RMSNorm(residual + planes (+ bias)) in the kernel,
+    the new residual returned. Under the interpreter the two phases run as two launches."""
+    two_i, h = gate_up.shape
+    i = two_i // 2
+    if down.shape != (h, i) or two_i % 2:
+        raise ValueError(f"mlp_barrier: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} disagree")
+    if counter.dtype != torch.int64 or counter.numel() != 1:
+        raise ValueError("mlp_barrier: the counter must be one int64")
+    for t in (gate_up, down, planes):
+        if t.stride(-1) != 1:
+            raise ValueError("mlp_barrier: inputs must be contiguous in the last dimension")
+    if residual is not None:
+        if planes.dim() != 3 or planes.shape[1:] != (1, h) or norm_weight is None:
+            raise ValueError("mlp_barrier: the norm prologue takes planes [S, 1, H] and a norm weight")
+        s_in, stride_xs, new_res, pro = planes.shape[0], planes.stride(0), torch.empty_like(residual), 2
+    else:
+        if planes.shape != (1, h):
+            raise ValueError(f"mlp_barrier: x must be [1, {h}], got {tuple(planes.shape)}")
+        s_in, stride_xs, new_res, pro = 1, 0, None, 0
+    programs = max(1, min(programs, h, i))
+    xi = torch.empty(i, dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty(1, 1, h, dtype=torch.float32, device=gate_up.device)
+    # a program's intermediate columns in equal steps of at most max_block_i; its output
+    # columns in one tile
+    chunk = -(-i // programs)
+    step = -(-chunk // -(-chunk // max_block_i))
+    block_i, block_n = _next_pow2(step), _next_pow2(-(-h // programs))
+    args = (planes, stride_xs, bias if bias is not None else gate_up,
+            residual if residual is not None else gate_up, new_res if new_res is not None else gate_up,
+            norm_weight if norm_weight is not None else gate_up, float(eps), gate_up, gate_up.stride(0),
+            down, down.stride(0), xi, out, counter, h, i, step)
+    kw = dict(BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_KD=block_kd, S_IN=s_in,
+              PRO=pro, HAS_BIAS=bias is not None, LINE=max(1, 128 // down.element_size()),
+              num_warps=num_warps)
+    if gate_up.device.type == "cuda":
+        _mlp_barrier_kernel[(programs,)](*args, PHASE=0, **kw, **pdl.kwargs())
+    else:  # the interpreter: one program after another, no barrier possible
+        _mlp_barrier_kernel[(programs,)](*args, PHASE=1, **kw)
+        _mlp_barrier_kernel[(programs,)](*args, PHASE=2, **kw)
+    return out, new_res
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 _MAX_TRITON_ROWS = int(os.environ.get("MEGATRON_TLT_TRITON_ROWS", "256"))

@@ -1,7 +1,9 @@
-"""triton_linear.mlp_fused (a one-row step's gate/up projection, SiLU * mul and down
-projection in one launch, gpu_model.FUSED_MLP) on the GPU: bf16, compiled, against the
-separate kernels; its integer-atomic sums the same bits on every run; graph decode with it
-equals eager decode with it, and with and without programmatic dependent launch."""
+"""The fused MLP of one-row steps (gpu_model.FUSED_MLP: the gate/up projection, SiLU * mul
+and down projection in one launch; triton_linear.mlp_fused with integer atomics,
+triton_linear.mlp_barrier with a grid barrier) on the GPU: bf16, compiled, against the
+separate kernels; the same bits on every run (atomics land in any order; the barrier's
+programs run in any order); graph decode with it equals eager decode with it, and with and
+without programmatic dependent launch."""
 
 import os
 import sys
@@ -17,8 +19,10 @@ from test_engine_gpu import engine, rel_err, small_model  # noqa: E402
 
 from megatron_tlt.rollout import Request, SamplingParams, pdl  # noqa: E402
 from megatron_tlt.rollout import gpu_model as gm  # noqa: E402
-from megatron_tlt.rollout.gpu_model import mlp_launch_config, rms_norm, silu_mul  # noqa: E402
-from megatron_tlt.rollout.triton_linear import FIXED_SCALE, LinearConfig, linear_partials, mlp_fused  # noqa: E402
+from megatron_tlt.rollout.gpu_model import (mlp_barrier_config, mlp_launch_config, rms_norm,  # noqa: E402
+                                            silu_mul)
+from megatron_tlt.rollout.triton_linear import (FIXED_SCALE, LinearConfig, linear_partials,  # noqa: E402
+                                                mlp_barrier, mlp_fused)
 
 CUDA = torch.device("cuda")
 
@@ -80,6 +84,40 @@ def test_mlp_fused_norm_prologue_and_launch_shapes(chunk, block_k, block_h, warp
     assert rel_err(_value(acc), _value(acc2)) < 1e-2
 
 
+@pytest.mark.parametrize("h,i", [(1536, 8960), (3584, 18944), (256, 512)])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_mlp_barrier_matches_separate_kernels_and_repeats_bit_for_bit(h, i, use_pdl):
+    """The barrier kernel (one program per SM): within 1e-2 of the separate kernels; 50
+    back-to-back launches on one counter give the same plane (a program reading the
+    intermediate row before every program stored its part would not); the flipped down
+    weight does not match; the norm prologue's residual is rms_norm's."""
+    if use_pdl and not pdl.supported(CUDA):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(h + 1)
+    bf = lambda *s, sc=1.0: (sc * torch.randn(*s, generator=g, device="cuda")).to(torch.bfloat16)  # noqa: E731
+    x, gate_up, down = bf(1, h), bf(2 * i, h, sc=0.03), bf(h, i, sc=0.03)
+    fma = LinearConfig("fma", block_m=1, block_n=8, block_k=512, splits=1)
+    ref = linear_partials(silu_mul(linear_partials(x, gate_up, fma), dtype=torch.bfloat16), down, fma)[0]
+    kw = mlp_barrier_config(CUDA)
+    counter = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    with pdl.launches(use_pdl, 0, 0):
+        runs = [mlp_barrier(x, gate_up, down, counter, **kw)[0] for _ in range(50)]
+    torch.cuda.synchronize()
+    assert int(counter) == 50 * min(kw["programs"], h, i)
+    assert rel_err(runs[0][0], ref) < 1e-2
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    bad, _ = mlp_barrier(x, gate_up, down.flip(1), counter, **kw)
+    assert rel_err(bad[0], ref) > 0.1
+    planes = torch.randn(2, 1, h, generator=g, device="cuda")
+    res, nw, bias = bf(1, h), bf(h, sc=0.1) + 1, bf(h)
+    out, new_res = mlp_barrier(planes, gate_up, down, counter, residual=res, norm_weight=nw,
+                               eps=1e-6, bias=bias, **kw)
+    r = res.clone()
+    y = rms_norm(planes, nw, 1e-6, residual=r, bias=bias)
+    assert torch.equal(new_res, r)
+    assert rel_err(out[0], mlp_barrier(y, gate_up, down, counter, **kw)[0][0]) < 1e-2
+
+
 def _one_at_a_time(eng, arch, seed=2):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -93,21 +131,24 @@ def _one_at_a_time(eng, arch, seed=2):
     return out
 
 
-def test_fused_mlp_graph_decode_equals_eager_and_plain_launches(monkeypatch):
-    """FUSED_MLP on, one sequence at a time (the only row count it serves): graph decode ==
+@pytest.mark.parametrize("mode", ["barrier", "atomic"])
+def test_fused_mlp_graph_decode_equals_eager_and_plain_launches(mode, monkeypatch):
+    """FUSED_MLP on (either mode), one sequence at a time (the only row count it serves): graph decode ==
     eager decode, tokens and logprobs bit for bit; with PDL == without (a fused MLP running
-    ahead of its inputs, or its zeroed rows, would differ). Control: mlp_fused ran, once
+    ahead of its inputs, or its zeroed rows, would differ). Control: the fused MLP ran, once
     per layer per step, in every engine."""
     dtype = torch.bfloat16
     arch, w = small_model(dtype, seed=7)
     calls = {"n": 0}
-    real = gm.mlp_fused
+    fn = "mlp_fused" if mode == "atomic" else "mlp_barrier"
+    real = getattr(gm, fn)
 
     def counted(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
-    monkeypatch.setattr(gm, "mlp_fused", counted)
+    monkeypatch.setattr(gm, fn, counted)
     monkeypatch.setattr(gm, "FUSED_MLP", True)
+    monkeypatch.setattr(gm, "MLP_MODE", mode)
     outs = {}
     for name, graphs, use_pdl in (("eager", False, True), ("graph", True, True), ("graph-plain", True, False)):
         before = calls["n"]
