@@ -415,6 +415,23 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
 
 
 @triton.jit
+def _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, w_ptr, H, rm, BLOCK_K: tl.constexpr,
+                  S_IN: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """[1]: the norm prologue's (PRO 2) 1 / RMS of the row residual + planes (+ bias), its
+    mean square summed in BLOCK_K chunks (as _linear_kernel's); zeros without a prologue."""
+    rstd = tl.zeros([1], tl.float32)
+    if PRO == 2:
+        ss = tl.zeros([1], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            h = _residual_sum(x_ptr, stride_xs, 0, b_ptr, r_ptr, 0, rm, rk,
+                              (rm < 1)[:, None] & (rk < H)[None, :], w_ptr, S_IN, HAS_BIAS)
+            ss += tl.sum(h * h, 1)
+        rstd = tl.rsqrt(ss / H + eps)
+    return rstd
+
+
+@triton.jit
 def _mlp_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, stride_gu,
                 down_ptr, stride_down, acc_ptr, H, I, chunk,
                 BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -434,15 +451,8 @@ def _mlp_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, 
     pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store: rollout/pdl.py
     rm = tl.arange(0, 1)
     m_ok = rm < 1
-    rstd = tl.zeros([1], tl.float32)
-    if PRO == 2:  # the whole row's mean square first (every program), as _linear_kernel
-        ss = tl.zeros([1], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            h = _residual_sum(x_ptr, stride_xs, 0, b_ptr, r_ptr, 0, rm, rk,
-                              m_ok[:, None] & (rk < H)[None, :], gu_ptr, S_IN, HAS_BIAS)
-            ss += tl.sum(h * h, 1)
-        rstd = tl.rsqrt(ss / H + eps)
+    rstd = _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, gu_ptr, H, rm, BLOCK_K, S_IN, PRO,
+                         HAS_BIAS)
     write_res = pid == 0
     acc_g = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
@@ -490,15 +500,8 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
         pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store
         rm = tl.arange(0, 1)
         m_ok = rm < 1
-        rstd = tl.zeros([1], tl.float32)
-        if PRO == 2:  # the whole row's mean square first (every program), as _linear_kernel
-            ss = tl.zeros([1], tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                h = _residual_sum(x_ptr, stride_xs, 0, b_ptr, r_ptr, 0, rm, rk,
-                                  m_ok[:, None] & (rk < H)[None, :], gu_ptr, S_IN, HAS_BIAS)
-                ss += tl.sum(h * h, 1)
-            rstd = tl.rsqrt(ss / H + eps)
+        rstd = _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, gu_ptr, H, rm, BLOCK_K, S_IN,
+                             PRO, HAS_BIAS)
         i_lo = pid * I // P
         i_hi = (pid + 1) * I // P
         for i0 in range(i_lo, i_hi, step):
