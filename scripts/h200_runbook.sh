@@ -107,7 +107,8 @@
 #   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
 #             (S38_TESTS=0 skips them), then bench rollout at batch 1 against FUSED_MLP=True:
 #             barrier mode as is, with RMSNorm first, 4 warps, 16-column steps; atomic mode
-#             as is, with 32-column chunks, with 8 warps (random weights, no target needed)
+#             as is, with 32-column chunks, with 8 warps (random weights, no target needed;
+#             S38_SHORT=1: each mode as is only)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -481,6 +482,7 @@ PYEOF
     cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$G:FUSED_MLP=True;$G:MLP_NORM_PROLOGUE=False"
          --compare-attr "$G:FUSED_MLP=True;$G:MLP_WARPS=4" --compare-attr "$G:FUSED_MLP=True;$G:MLP_BLOCK_I=16"
          --compare-attr "$A" --compare-attr "$A;$G:MLP_CHUNK=32" --compare-attr "$A;$G:MLP_WARPS=8")
+    [ "${S38_SHORT:-0}" = 1 ] && cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$A")
     ab_bench s38 5 --batch-sizes 1 "${cmp[@]}" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
