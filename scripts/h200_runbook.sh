@@ -105,10 +105,10 @@
 #             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans);
 #             first the GPU test of FMA_WIDE's configs (S37B_TESTS=0 skips it; ~30 s)
 #   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
-#             (S38_TESTS=0 skips them), then bench rollout at batch 1 against FUSED_MLP=True:
-#             barrier mode as is, with RMSNorm first, 4 warps, 16-column steps; atomic mode
-#             as is, with 32-column chunks, with 8 warps (random weights, no target needed;
-#             S38_SHORT=1: each mode as is only)
+#             (S38_TESTS=0 skips them), tools/mlp_microbench.py (the kernel and its phases
+#             alone against the separate kernels), then bench rollout at batch 1 against
+#             FUSED_MLP=True as is, with 4 warps, with 16 x 512 gate/up tiles (random
+#             weights, no target needed)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -478,12 +478,11 @@ PYEOF
   s38)
     G=megatron_tlt.rollout.gpu_model
     [ "${S38_TESTS:-1}" = 1 ] && pytest_stage "s38 tests" 240 gpu_tests_s38.log tests/gpu/test_fused_mlp_gpu.py
-    A="$G:FUSED_MLP=True;$G:MLP_MODE='atomic'"
-    cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$G:FUSED_MLP=True;$G:MLP_NORM_PROLOGUE=False"
-         --compare-attr "$G:FUSED_MLP=True;$G:MLP_WARPS=4" --compare-attr "$G:FUSED_MLP=True;$G:MLP_BLOCK_I=16"
-         --compare-attr "$A" --compare-attr "$A;$G:MLP_CHUNK=32" --compare-attr "$A;$G:MLP_WARPS=8")
-    [ "${S38_SHORT:-0}" = 1 ] && cmp=(--compare-attr "$G:FUSED_MLP=True" --compare-attr "$A")
-    ab_bench s38 5 --batch-sizes 1 "${cmp[@]}" ;;
+    timeout "$(upto 60)" $PY tools/mlp_microbench.py > "$RESULTS/mlp_microbench.log" 2>&1
+    echo "[runbook] s38 microbench: rc=$? at $(( $(date +%s) - t0 )) s"; cat "$RESULTS/mlp_microbench.log"
+    F="$G:FUSED_MLP=True"
+    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" --compare-attr "$F;$G:MLP_WARPS=4" \
+        --compare-attr "$F;$G:MLP_BLOCK_I=16;$G:MLP_BLOCK_K=512" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1

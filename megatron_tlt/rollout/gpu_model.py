@@ -51,9 +51,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
-                                                linear_partials, mlp_barrier, mlp_fused,
-                                                norm_linear_partials,
-                                                plane_value, silu_linear_partials)
+                                                linear_partials, mlp_barrier, norm_linear_partials,
+                                                silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -87,11 +86,10 @@ def _mul_rn(x, y):
 
 @triton.jit
 def _sum_planes(ptr, stride_s, offs, mask, S: tl.constexpr):
-    """float32 sum of S partial-sum planes (triton_linear.py), added in plane order (an int64
-    plane: triton_linear.mlp_fused's fixed-point sums, triton_linear.plane_value)."""
-    acc = plane_value(tl.load(ptr + offs, mask=mask, other=0))
+    """float32 sum of S partial-sum planes (triton_linear.py), added in plane order."""
+    acc = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, S):
-        acc += plane_value(tl.load(ptr + s * stride_s + offs, mask=mask, other=0))
+        acc += tl.load(ptr + s * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
     return acc
 
 
@@ -256,54 +254,39 @@ l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
 
 
 FUSED_MLP: bool = False
-"""Opt-in (session 38, until timed over whole steps on the GPU): a one-row decode forward
-runs each layer's gate/up projection, SiLU * mul and down projection as one launch. It
-removes the dependent launch between the two projections, where the down projection's
-programs wait for the gate/up projection's last ones and then start their reads from
-nothing. Two ways (MLP_MODE), both deterministic: "barrier" (triton_linear.mlp_barrier:
-one program per SM; each computes its share of SiLU(gate) * up, asks L2 for its rows of
-the down projection, meets the others at a grid barrier, then computes its output
-columns over all of it; one float32 plane) and "atomic" (triton_linear.mlp_fused: each
-program adds its intermediate columns' share of the down projection into a fixed-point
-int64 row with integer atomics, read by the next kernel as its one plane). Other row
-counts (batches above 1, verify, extend) keep the separate kernels. Read at each forward
+"""Opt-in, and slower where timed (session 38): a one-row decode forward runs each layer's
+gate/up projection, SiLU * mul and down projection as one launch (triton_linear.mlp_barrier:
+one program per SM computes its share of SiLU(gate) * up, asks L2 for its rows of the down
+projection, meets the others at a grid barrier, then computes its output columns over the
+whole intermediate row; one float32 plane, deterministic). Meant to remove the dependent
+launch between the two projections. Other row counts (batches above 1, verify, extend)
+keep the separate kernels. Session 38 (H100, benchmarks/results/gpu_2026-12-07_session38):
+graph decode with it == eager, with PDL == without (GPU tests), but whole steps at batch 1
+ran 0.753x-0.777x as fast at the 1.5B shape and 0.796x at 7B; alone (tools/mlp_microbench.py)
+it took 71.6 us against 33.4 for the separate kernels at the 1.5B shape (its first phase
+alone 38.2 us for two thirds of the bytes): one program per SM keeps too few loads in
+flight to read at the HBM's rate (the separate projections run thousands of programs).
+A variant adding each program's share of the down projection with integer atomics into a
+fixed-point row ran 0.581x / 0.280x (1.5B / 7B) and was removed. Read at each forward
 (bench rollout --compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True; graphs
 recaptured)."""
-MLP_MODE: str = "barrier"
-"""The fused MLP's kind: "barrier" or "atomic" (FUSED_MLP)."""
-MLP_CHUNK: int | None = None
-"""Atomic mode: intermediate columns per program; None: the intermediate size over
-MLP_PROGRAMS_PER_SM programs per SM, rounded up."""
-MLP_PROGRAMS_PER_SM: int = 2
-"""Atomic mode: programs per SM (MLP_CHUNK None)."""
 MLP_NORM_PROLOGUE: bool = True
 """The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
 program, as norm_linear_partials); False: rms_norm first, a launch more."""
-MLP_BLOCK_K: int | None = None
-"""Input columns per gate/up tile of the fused MLP; None: atomic mode 4096 / its padded
-chunk (min 32), barrier mode 256."""
-MLP_BLOCK_H: int | None = None
-"""Atomic mode: output columns per down tile; None: 4096 / its padded chunk (min 16)."""
-MLP_WARPS: int | None = None
-"""Warps of a fused MLP program; None: 4 (atomic mode), 8 (barrier mode: one program per SM)."""
+MLP_BLOCK_K: int = 256
+"""Input columns per gate/up tile of the fused MLP."""
+MLP_WARPS: int = 8
+"""Warps of a fused MLP program (one per SM)."""
 MLP_BLOCK_I: int = 32
-"""Barrier mode: the most intermediate columns a program computes at a time."""
+"""The most intermediate columns a fused MLP program computes at a time."""
 MLP_BLOCK_KD: int = 512
-"""Barrier mode: intermediate columns per down-projection tile."""
-
-
-def mlp_launch_config(inter: int, device: torch.device | str) -> dict:
-    """The atomic fused MLP's chunk and tiles for an intermediate size on this device (MLP_* knobs)."""
-    chunk = MLP_CHUNK or -(-inter // (MLP_PROGRAMS_PER_SM * num_sms(device)))
-    block_i = _next_pow2(chunk)
-    return dict(chunk=chunk, block_k=MLP_BLOCK_K or max(32, 4096 // block_i),
-                block_h=MLP_BLOCK_H or max(16, 4096 // block_i), num_warps=MLP_WARPS or 4)
+"""Intermediate columns per down-projection tile of the fused MLP."""
 
 
 def mlp_barrier_config(device: torch.device | str) -> dict:
-    """The barrier fused MLP's launch on this device (MLP_* knobs): one program per SM."""
-    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K or 256, block_kd=MLP_BLOCK_KD,
-                num_warps=MLP_WARPS or 8, max_block_i=MLP_BLOCK_I)
+    """The fused MLP's launch on this device (MLP_* knobs): one program per SM."""
+    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K, block_kd=MLP_BLOCK_KD,
+                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I)
 
 
 def norm_warps(block: int) -> int:
@@ -835,7 +818,7 @@ class DecodeModel:
         changing it)."""
 
     def _barrier_counter(self, programs: int) -> torch.Tensor:
-        """The grid barrier counter of barrier-mode fused MLPs of `programs` programs (one per
+        """The grid barrier counter of fused MLPs (FUSED_MLP) of `programs` programs (one per
         launch size: each launch waits for the next multiple of its size): one int64 of
         a table made with the model (nothing allocated here, so graph capture may ask),
         never reset."""
@@ -898,20 +881,12 @@ class DecodeModel:
         plan = self.planner
         # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
         prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
-        # one row: each layer's MLP in one launch (FUSED_MLP), its output the int64 plane
-        # mlp_acc[layer], zeroed here for every layer at once
+        # one row: each layer's MLP in one launch (FUSED_MLP)
         mlp = (FUSED_MLP and input_ids.shape[0] == 1 and query_start is None
                and (w.embed.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
-        barrier = mlp and MLP_MODE == "barrier"
-        if mlp and MLP_MODE not in ("barrier", "atomic"):
-            raise ValueError(f"gpu_model.MLP_MODE={MLP_MODE!r}: 'barrier' or 'atomic'")
-        if barrier:
+        if mlp:
             mlp_cfg = mlp_barrier_config(w.embed.device)
             counter = self._barrier_counter(mlp_cfg["programs"])
-        elif mlp:
-            mlp_acc = torch.zeros(len(w.layers), 1, a.hidden_size, dtype=torch.int64,
-                                  device=w.embed.device)
-            mlp_cfg = mlp_launch_config(a.intermediate_size, w.embed.device)
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
@@ -941,7 +916,7 @@ class DecodeModel:
                                     **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
             glu = None if mlp else plan.glu_config(residual, lw.gate_up_weight)
-            if barrier:
+            if mlp:
                 if MLP_NORM_PROLOGUE:
                     h, residual = mlp_barrier(h, lw.gate_up_weight, lw.down_weight, counter,
                                               residual=residual, norm_weight=lw.post_attn_norm,
@@ -949,15 +924,6 @@ class DecodeModel:
                 else:
                     y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
                     h, _ = mlp_barrier(y, lw.gate_up_weight, lw.down_weight, counter, **mlp_cfg)
-            elif mlp:
-                if MLP_NORM_PROLOGUE:
-                    residual = mlp_fused(h, lw.gate_up_weight, lw.down_weight, mlp_acc[layer],
-                                         residual=residual, norm_weight=lw.post_attn_norm,
-                                         eps=eps, bias=lw.o_bias, **mlp_cfg)
-                else:
-                    y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
-                    mlp_fused(y, lw.gate_up_weight, lw.down_weight, mlp_acc[layer], **mlp_cfg)
-                h = mlp_acc[layer]
             elif glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
                 y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
                 h = self._linear(glu_linear(y, lw.gate_up_weight, glu), lw.down_weight)

@@ -79,8 +79,10 @@ where the planner had taken cuBLAS for the 7B batch-32 gate/up projection the st
 32), where no projection ran on cuBLAS and it changes nothing, 0.993x-1.001x (that run's
 noise). Same kernels, same order, same bits either way
 (tests/gpu/test_engine_gpu.py::test_plain_after_cublas_decode_equals_default, passed on
-the H100). On by default since session 37; A/B: bench rollout --compare-attr
-megatron_tlt.rollout.pdl:PLAIN_AFTER_CUBLAS=False."""
+the H100). On by default since session 37. Session 38 (H100, same A/B at batch 32,
+benchmarks/results/gpu_2026-12-07_session38): off ran 0.982x as fast at the 7B shape (its
+QKV and gate/up projections on cuBLAS) and 1.005x at 1.5B (gate/up on cuBLAS). A/B: bench
+rollout --compare-attr megatron_tlt.rollout.pdl:PLAIN_AFTER_CUBLAS=False."""
 
 _active = False
 _plain_next = False  # the next kwargs() of this context hands out an ordinary launch

@@ -55,22 +55,6 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-FIXED_SCALE = 2.0 ** 32
-"""The fused MLP's output (mlp_fused) is one int64 plane of fixed-point sums: each program's
-float32 partial times FIXED_SCALE, truncated, added with integer atomics (exact and
-associative: the same bits whatever order the programs finish in). |partial| < 2**31."""
-
-
-@triton.jit
-def plane_value(v):
-    """A loaded partial-sum plane value as float32: a float plane's as is, an int64
-    fixed-point plane's (mlp_fused) converted with one rounding, then scaled exactly."""
-    if v.dtype == tl.int64:
-        return v.to(tl.float32) * (1.0 / 4294967296.0)
-    else:
-        return v.to(tl.float32)
-
-
 @triton.jit
 def _x_tile(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, r_out_ptr, nw_ptr, stride_rm, rstd,
             rm, rk, m_ok, k_ok, K, WRITE_RES, w_ptr, S_IN: tl.constexpr,
@@ -112,9 +96,9 @@ def _residual_sum(x_ptr, stride_xs, stride_xm, b_ptr, r_ptr, stride_rm, rm, rk, 
     to the model dtype (w_ptr's)."""
     DT = w_ptr.dtype.element_ty
     offs = rm[:, None] * stride_xm + rk[None, :]
-    h = plane_value(tl.load(x_ptr + offs, mask=mask, other=0))
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, S_IN):
-        h += plane_value(tl.load(x_ptr + s * stride_xs + offs, mask=mask, other=0))
+        h += tl.load(x_ptr + s * stride_xs + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(b_ptr + rk[None, :] + 0 * rm[:, None], mask=mask, other=0.0).to(tl.float32)
     h = h.to(DT).to(tl.float32)
@@ -432,49 +416,6 @@ def _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, w_ptr, H, rm, BLOCK_K: tl
 
 
 @triton.jit
-def _mlp_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, stride_gu,
-                down_ptr, stride_down, acc_ptr, H, I, chunk,
-                BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                S_IN: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                USE_PDL: tl.constexpr = False):
-    # One row. Program p owns the intermediate columns [p * chunk, (p + 1) * chunk): their
-    # gate and up products over the whole input row (fma: products accumulated, reduced
-    # once), SiLU(gate) * up with silu_mul's roundings, then that chunk's share of the down
-    # projection for every output column, added into acc as fixed-point int64 (FIXED_SCALE).
-    DT = gu_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    i_lo = pid * chunk
-    ri = i_lo + tl.arange(0, BLOCK_I)
-    i_ok = (ri < i_lo + chunk) & (ri < I)
-    g_rows = gu_ptr + ri.to(tl.int64)[:, None] * stride_gu
-    u_rows = gu_ptr + (ri + I).to(tl.int64)[:, None] * stride_gu
-    pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store: rollout/pdl.py
-    rm = tl.arange(0, 1)
-    m_ok = rm < 1
-    rstd = _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, gu_ptr, H, rm, BLOCK_K, S_IN, PRO,
-                         HAS_BIAS)
-    write_res = pid == 0
-    acc_g = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        x = _x_in(k0, H, x_ptr, stride_xs, 0, b_ptr, r_ptr, r_out_ptr, nw_ptr, 0, rstd, rm,
-                  m_ok, H, write_res, gu_ptr, 0, BLOCK_K, False, S_IN, PRO, HAS_BIAS)
-        acc_g = _mac(acc_g, _w_tile(g_rows, i_ok, k0, H, BLOCK_K), x, False)
-        acc_u = _mac(acc_u, _w_tile(u_rows, i_ok, k0, H, BLOCK_K), x, False)
-    g = tl.sum(acc_g, 1).to(DT).to(tl.float32)  # the projection output's rounding
-    u = tl.sum(acc_u, 1).to(DT).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    xi = tl.where(i_ok, (a * u).to(DT).to(tl.float32), 0.0)  # the down projection's input
-    for n0 in range(0, H, BLOCK_H):
-        rn = n0 + tl.arange(0, BLOCK_H)
-        n_ok = rn < H
-        w = tl.load(down_ptr + rn.to(tl.int64)[:, None] * stride_down + ri[None, :],
-                    mask=n_ok[:, None] & i_ok[None, :], other=0.0)
-        part = tl.sum(w.to(tl.float32) * xi[None, :], 1)  # [BLOCK_H]
-        tl.atomic_add(acc_ptr + rn, (part * 4294967296.0).to(tl.int64), mask=n_ok, sem="relaxed")
-
-
-@triton.jit
 def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, gu_ptr, stride_gu,
                         down_ptr, stride_down, xi_ptr, out_ptr, cnt_ptr, H, I, step,
                         BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -544,52 +485,6 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * xv[None, :]
         tl.store(out_ptr + rn, tl.sum(acc, 1), mask=n_ok)
-
-
-def mlp_fused(planes: torch.Tensor,  # [S, 1, H]: the previous projection's planes (pro 2), or x [1, H] (pro 0)
-              gate_up: torch.Tensor,  # [2 I, H]: gate rows, then up rows
-              down: torch.Tensor,  # [H, I]
-              acc: torch.Tensor,  # [1, H] int64, zero: the fixed-point sums are added into it
-              *, chunk: int, block_k: int, block_h: int, num_warps: int,
-              residual: torch.Tensor | None = None,  # [1, H] (pro 2; read only)
-              norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              bias: torch.Tensor | None = None,  # [H]: the previous projection's (pro 2)
-              ) -> torch.Tensor | None:  # the new residual (pro 2), else None
-    """down(SiLU(x @ gate.T) * (x @ up.T)) for one row in one launch: each program computes
-    `chunk` intermediate columns and adds their share of the down projection into `acc`
-    (FIXED_SCALE fixed point, integer atomics: deterministic). With `residual` and
-    `norm_weight`, x = RMSNorm(residual + planes (+ bias)) computed in the kernel (as
-    norm_linear_partials), the new residual returned. The output is read as one plane by
-    the consuming kernels (plane_value); acc must be zero before the launch."""
-    two_i, h = gate_up.shape
-    i = two_i // 2
-    if down.shape != (h, i) or two_i % 2:
-        raise ValueError(f"mlp_fused: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} disagree")
-    if acc.dtype != torch.int64 or acc.shape != (1, h):
-        raise ValueError(f"mlp_fused: acc must be int64 [1, {h}], got {acc.dtype} {tuple(acc.shape)}")
-    for t in (gate_up, down, planes):
-        if t.stride(-1) != 1:
-            raise ValueError("mlp_fused: inputs must be contiguous in the last dimension")
-    pro = 2 if residual is not None else 0
-    if pro == 2:
-        if planes.dim() != 3 or planes.shape[1:] != (1, h) or norm_weight is None:
-            raise ValueError("mlp_fused: the norm prologue takes planes [S, 1, H] and a norm weight")
-        s_in, stride_xs = planes.shape[0], planes.stride(0)
-        new_res = torch.empty_like(residual)
-    else:
-        if planes.shape != (1, h):
-            raise ValueError(f"mlp_fused: x must be [1, {h}], got {tuple(planes.shape)}")
-        s_in, stride_xs, new_res = 1, 0, None
-    block_i = max(1, 1 << (chunk - 1).bit_length())
-    grid = (-(-i // chunk),)
-    _mlp_kernel[grid](planes, stride_xs, bias if bias is not None else gate_up,
-                      residual if residual is not None else gate_up,
-                      new_res if new_res is not None else gate_up,
-                      norm_weight if norm_weight is not None else gate_up, float(eps),
-                      gate_up, gate_up.stride(0), down, down.stride(0), acc, h, i, chunk,
-                      BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_H=block_h, S_IN=s_in, PRO=pro,
-                      HAS_BIAS=bias is not None, num_warps=num_warps, **pdl.kwargs())
-    return new_res
 
 
 def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x [1, H]
@@ -686,8 +581,12 @@ configs of 2-warp programs over 256-column K tiles and of 4-warp programs over 1
 ones. tools/linear_sweep.py timed them alone on an H100 (benchmarks/results/gpu_2026-12-07_session37):
 the 1.5B shape's QKV and O projections 1.11x-1.13x faster than the planner's best
 (fma:m1n4k256s4w2p3), its down projection 1.05x (fma:m1n2k1024s4w4p3), the 7B shape's
-1.01x-1.02x. Plans made with it carry the tag _FMA_WIDE in their key (read at planning:
-bench rollout --compare-attr megatron_tlt.rollout.triton_linear:FMA_WIDE=True)."""
+1.01x-1.02x. Over whole steps (session 38, H100, bench rollout --compare-attr,
+benchmarks/results/gpu_2026-12-07_session38): 0.986x at the 1.5B shape, batch 1, 1.001x at
+7B, so it stays off; its configs pass the GPU test against the float32 product
+(test_fma_wide_configs_match_float32_product). Plans made with it carry the tag _FMA_WIDE in
+their key (read at planning: bench rollout --compare-attr
+megatron_tlt.rollout.triton_linear:FMA_WIDE=True)."""
 _FMA_WIDE = "fma_wide"
 
 CUBLAS_MARGIN = 1.0
@@ -697,8 +596,11 @@ what a cuBLAS projection costs inside the step's chain of PDL launches (why exac
 pinned down). Session 37's H100 run: at the 7B shape, batch 32, the planner took cuBLAS for
 the gate/up projection by 1% alone (98.03 against 98.89 us) and the step ran 6.233 ms,
 against 5.959 ms in session 36 where it had taken the Triton config; every projection on
-cuBLAS ran 6.067 ms. Plans made with a margin carry it in their key (read at planning:
-bench rollout --compare-attr megatron_tlt.rollout.triton_linear:CUBLAS_MARGIN=1.05)."""
+cuBLAS ran 6.067 ms. Session 38 (H100, benchmarks/results/gpu_2026-12-07_session38): 1.05
+ran batch-32 steps 0.972x as fast at the 1.5B shape (its gate/up projection went from
+cuBLAS, 23.72 us, to a Triton config, 24.27 us) and 1.001x at 7B (nothing changed plan), so
+it stays 1.0. Plans made with a margin carry it in their key (read at planning: bench
+rollout --compare-attr megatron_tlt.rollout.triton_linear:CUBLAS_MARGIN=1.05)."""
 
 _ROW_LOCAL = "row_local"
 """The last entry of a plan key timed without cuBLAS (LinearPlanner.config's row_local)."""
@@ -890,9 +792,7 @@ class LinearPlanner(PlanCache):
         s_in = planes.shape[0]
         n, k = weight.shape
         dev, dt = planes.device, weight.dtype
-        # (an int64 plane, mlp_fused's, is timed as a float32 one: the same bytes read)
-        pdt = torch.float32 if planes.dtype == torch.int64 else planes.dtype
-        p = torch.randn(s_in, m, planes.shape[2], dtype=pdt, device=dev)
+        p = torch.randn(s_in, m, planes.shape[2], dtype=planes.dtype, device=dev)
         res = torch.randn(m, k, dtype=dt, device=dev)
         nw = norm_weight if norm_weight is not None else torch.ones(k, dtype=dt, device=dev)
         _, proj_us = self._plan(torch.randn(m, k, dtype=dt, device=dev), weight, m, True,

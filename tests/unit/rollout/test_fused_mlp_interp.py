@@ -1,8 +1,7 @@
-"""The one-launch MLP of a one-row decode step (gpu_model.FUSED_MLP: triton_linear.mlp_fused,
-integer atomics, and triton_linear.mlp_barrier, a grid barrier between its phases) == its
-PyTorch reference; float32 on CPU through Triton's interpreter, where mlp_barrier runs its
-phases as two launches (bf16, the compiled kernels, the barrier and the atomics'
-determinism run in tests/gpu/test_fused_mlp_gpu.py)."""
+"""The one-launch MLP of a one-row decode step (gpu_model.FUSED_MLP: triton_linear.mlp_barrier,
+a grid barrier between its phases) == its PyTorch reference; float32 on CPU through
+Triton's interpreter, where mlp_barrier runs its phases as two launches (bf16, the
+compiled kernel and its barrier run in tests/gpu/test_fused_mlp_gpu.py)."""
 
 import pytest
 import torch
@@ -17,8 +16,7 @@ from megatron_tlt.rollout.attention import AttentionMetadata  # noqa: E402
 from megatron_tlt.rollout.gpu_model import DecodeModel, rms_norm  # noqa: E402
 from megatron_tlt.rollout.kv_cache import PagedKVCache  # noqa: E402
 from megatron_tlt.rollout.model import InferenceModel  # noqa: E402
-from megatron_tlt.rollout.triton_linear import (FIXED_SCALE, LinearConfig, LinearPlanner,  # noqa: E402
-                                                mlp_barrier, mlp_fused)
+from megatron_tlt.rollout.triton_linear import LinearConfig, LinearPlanner, mlp_barrier  # noqa: E402
 from tests.unit.rollout.test_triton_attention_interp import _arch, _weights  # noqa: E402
 
 
@@ -31,50 +29,6 @@ def _mlp_ref(x, gate_up, down):
 
 def _rel(out, ref):
     return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
-
-
-@pytest.mark.parametrize("h,i,chunk,block_k,block_h",
-                         [(64, 96, 12, 32, 16), (48, 200, 32, 16, 64), (80, 130, 7, 64, 32)])
-def test_mlp_fused_equals_the_two_projections(h, i, chunk, block_k, block_h):
-    g = torch.Generator().manual_seed(h + i)
-    x = torch.randn(1, h, generator=g)
-    gate_up = 0.2 * torch.randn(2 * i, h, generator=g)
-    down = 0.2 * torch.randn(h, i, generator=g)
-    acc = torch.zeros(1, h, dtype=torch.int64)
-    assert mlp_fused(x, gate_up, down, acc, chunk=chunk, block_k=block_k, block_h=block_h,
-                     num_warps=4) is None
-    ref = _mlp_ref(x, gate_up, down)
-    assert _rel(acc.double() / FIXED_SCALE, ref) < 1e-5
-    # the consumer reads the int64 row as a plane: rms_norm of it == rms_norm of its value
-    nw, res = torch.randn(h, generator=g), torch.randn(1, h, generator=g)
-    r1, r2 = res.clone(), res.clone()
-    out = rms_norm(acc.unsqueeze(0), nw, 1e-6, residual=r1)
-    want = rms_norm((acc.double() / FIXED_SCALE).float().unsqueeze(0), nw, 1e-6, residual=r2)
-    assert torch.equal(out, want) and torch.equal(r1, r2)
-    # control: the down weight's columns reversed must not match
-    bad = torch.zeros(1, h, dtype=torch.int64)
-    mlp_fused(x, gate_up, down.flip(1), bad, chunk=chunk, block_k=block_k, block_h=block_h, num_warps=4)
-    assert _rel(bad.double() / FIXED_SCALE, ref) > 0.1
-
-
-def test_mlp_fused_norm_prologue_equals_rms_norm_then_mlp():
-    """The RMSNorm(residual + planes + bias) prologue: the new residual exactly rms_norm's,
-    the sums equal those of rms_norm's output fed to the plain kernel (same tiles)."""
-    h, i = 64, 96
-    g = torch.Generator().manual_seed(5)
-    planes = torch.randn(3, 1, h, generator=g)
-    res, nw, bias = torch.randn(1, h, generator=g), torch.randn(h, generator=g), torch.randn(h, generator=g)
-    gate_up, down = 0.2 * torch.randn(2 * i, h, generator=g), 0.2 * torch.randn(h, i, generator=g)
-    kw = dict(chunk=16, block_k=32, block_h=32, num_warps=4)
-    acc = torch.zeros(1, h, dtype=torch.int64)
-    new_res = mlp_fused(planes, gate_up, down, acc, residual=res, norm_weight=nw, eps=1e-6,
-                        bias=bias, **kw)
-    r = res.clone()
-    y = rms_norm(planes, nw, 1e-6, residual=r, bias=bias)
-    assert torch.equal(new_res, r)
-    acc2 = torch.zeros(1, h, dtype=torch.int64)
-    mlp_fused(y, gate_up, down, acc2, **kw)
-    assert torch.equal(acc, acc2)
 
 
 @pytest.mark.parametrize("h,i,programs,max_block_i,block_k,block_kd",
@@ -102,35 +56,28 @@ def test_mlp_barrier_equals_the_two_projections(h, i, programs, max_block_i, blo
     assert _rel(out2[0], _mlp_ref(y, gate_up, down)) < 1e-5
 
 
-def test_mlp_fused_rejects_bad_arguments():
+def test_mlp_barrier_rejects_bad_arguments():
     x, gu, down = torch.zeros(1, 8), torch.zeros(12, 8), torch.zeros(8, 6)
-    kw = dict(chunk=4, block_k=8, block_h=8, num_warps=4)
-    with pytest.raises(ValueError, match="int64"):
-        mlp_fused(x, gu, down, torch.zeros(1, 8), **kw)
-    with pytest.raises(ValueError, match="disagree"):
-        mlp_fused(x, gu, torch.zeros(8, 5), torch.zeros(1, 8, dtype=torch.int64), **kw)
-    with pytest.raises(ValueError, match=r"\[1, 8\]"):
-        mlp_fused(torch.zeros(2, 8), gu, down, torch.zeros(1, 8, dtype=torch.int64), **kw)
     bkw = dict(programs=2, block_k=8, block_kd=8, num_warps=4)
     with pytest.raises(ValueError, match="one int64"):
         mlp_barrier(x, gu, down, torch.zeros(2, dtype=torch.int64), **bkw)
     with pytest.raises(ValueError, match="disagree"):
         mlp_barrier(x, gu, torch.zeros(8, 5), torch.zeros(1, dtype=torch.int64), **bkw)
+    with pytest.raises(ValueError, match=r"\[1, 8\]"):
+        mlp_barrier(torch.zeros(2, 8), gu, down, torch.zeros(1, dtype=torch.int64), **bkw)
 
 
-@pytest.mark.parametrize("mode", ["atomic", "barrier"])
 @pytest.mark.parametrize("prologue,qkv_fused", [(True, False), (False, False), (True, True)],
                          ids=["norm-prologue", "rms-norm-first", "qkv-norm-prologue-reads-it"])
-def test_decode_model_fused_mlp_matches_inference_model(mode, prologue, qkv_fused, monkeypatch):
-    """FUSED_MLP on, either MLP_MODE: a one-row step runs the fused MLP once a layer (no
-    silu_mul) and its logits match the reference forward (the next layer's QKV reads its
-    plane, the atomic mode's int64 row, through rms_norm, or through its own norm prologue
-    with qkv_fused); a two-row step keeps the separate kernels."""
+def test_decode_model_fused_mlp_matches_inference_model(prologue, qkv_fused, monkeypatch):
+    """FUSED_MLP on: a one-row step runs the fused MLP once a layer (no silu_mul) and its
+    logits match the reference forward (the next layer's QKV reads its plane through
+    rms_norm, or through its own norm prologue with qkv_fused); a two-row step keeps the
+    separate kernels."""
     import megatron_tlt.rollout.gpu_model as gm
     monkeypatch.setattr(gm, "FUSED_MLP", True)
     monkeypatch.setattr(gm, "MLP_NORM_PROLOGUE", prologue)
-    monkeypatch.setattr(gm, "MLP_MODE", mode)
-    fn = "mlp_fused" if mode == "atomic" else "mlp_barrier"
+    fn = "mlp_barrier"
     calls = {fn: 0, "silu_mul": 0}
 
     def counted(name, fn):
