@@ -501,7 +501,12 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     program must be resident at once, so at most one per SM (the caller's choice). The
     result is one float32 plane, each output column summed by one program (deterministic).
     With `residual` and `norm_weight`: x = RMSNorm(residual + planes (+ bias)) in the kernel,
-    the new residual returned. Under the interpreter the two phases run as two launches."""
+    the new residual returned. Under the interpreter the two phases run as two launches.
+    A kernel on another stream that never finishes while this one waits (one waiting for
+    this stream, say) could hold an SM a program of this launch needs: the barrier would
+    then wait forever; gpu_model.FUSED_MLP is opt-in."""
+    if not _triton_ok(gate_up):
+        raise ValueError("mlp_barrier: a Triton kernel: CUDA tensors, or CPU ones under TRITON_INTERPRET=1")
     two_i, h = gate_up.shape
     i = two_i // 2
     if down.shape != (h, i) or two_i % 2:
