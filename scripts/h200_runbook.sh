@@ -107,8 +107,8 @@
 #   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
 #             (S38_TESTS=0 skips them), tools/mlp_microbench.py (the kernel and its phases
 #             alone against the separate kernels), then bench rollout at batch 1 against
-#             FUSED_MLP=True as is, with 4 warps, with 16 x 512 gate/up tiles (random
-#             weights, no target needed)
+#             FUSED_MLP=True as is (fma), with MLP_DOT (pipelined tl.dot loads), with MLP_DOT
+#             4 stages deep, with MLP_DOT and 4 warps (random weights, no target needed)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -481,8 +481,8 @@ PYEOF
     timeout "$(upto 60)" $PY tools/mlp_microbench.py > "$RESULTS/mlp_microbench.log" 2>&1
     echo "[runbook] s38 microbench: rc=$? at $(( $(date +%s) - t0 )) s"; cat "$RESULTS/mlp_microbench.log"
     F="$G:FUSED_MLP=True"
-    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" --compare-attr "$F;$G:MLP_WARPS=4" \
-        --compare-attr "$F;$G:MLP_BLOCK_I=16;$G:MLP_BLOCK_K=512" ;;
+    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" --compare-attr "$F;$G:MLP_DOT=True" \
+        --compare-attr "$F;$G:MLP_DOT=True;$G:MLP_STAGES=4" --compare-attr "$F;$G:MLP_DOT=True;$G:MLP_WARPS=4" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1

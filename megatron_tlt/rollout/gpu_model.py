@@ -281,12 +281,24 @@ MLP_BLOCK_I: int = 32
 """The most intermediate columns a fused MLP program computes at a time."""
 MLP_BLOCK_KD: int = 512
 """Intermediate columns per down-projection tile of the fused MLP."""
+MLP_DOT: bool = False
+"""The fused MLP's products as tl.dot over the row padded to 16 masked rows, whose loads
+Triton pipelines with asynchronous copies MLP_STAGES deep; with MLP_BLOCK_K / MLP_BLOCK_KD
+of 128 / 256 unless set otherwise. The fma products timed in session 38 load one tile at a
+time: compiled for sm_90 with the launcher's 16-byte alignment of pointers and strides,
+bf16, the 1.5B shape's tiles, their PTX has no cp.async; this one's, 4 stages deep, 60
+(76 with the norm prologue), in 61-79 KB of shared memory. Untimed (session 38 ended with no device time left): bench rollout
+--compare-attr "megatron_tlt.rollout.gpu_model:FUSED_MLP=True;megatron_tlt.rollout.gpu_model:MLP_DOT=True"."""
+MLP_STAGES: int = 3
+"""Pipelining stages of the fused MLP's loops (MLP_DOT)."""
 
 
 def mlp_barrier_config(device: torch.device | str) -> dict:
     """The fused MLP's launch on this device (MLP_* knobs): one program per SM."""
-    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K, block_kd=MLP_BLOCK_KD,
-                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I)
+    dot = bool(MLP_DOT)
+    return dict(programs=num_sms(device), block_k=128 if dot and MLP_BLOCK_K == 256 else MLP_BLOCK_K,
+                block_kd=256 if dot and MLP_BLOCK_KD == 512 else MLP_BLOCK_KD,
+                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I, dot=dot, num_stages=MLP_STAGES)
 
 
 def norm_warps(block: int) -> int:
