@@ -262,7 +262,8 @@ whole intermediate row; one float32 plane, deterministic). Meant to remove the d
 launch between the two projections. Other row counts (batches above 1, verify, extend)
 keep the separate kernels. Session 38 (H100, benchmarks/results/gpu_2026-12-07_session38):
 graph decode with it == eager, with PDL == without (GPU tests), but whole steps at batch 1
-ran 0.753x-0.777x as fast at the 1.5B shape and 0.796x at 7B; alone (tools/mlp_microbench.py)
+ran 0.780x as fast at the 1.5B shape (0.571x-0.777x with other launch shapes) and 0.796x
+at 7B; alone (tools/mlp_microbench.py)
 it took 71.6 us against 33.4 for the separate kernels at the 1.5B shape (its first phase
 alone 38.2 us for two thirds of the bytes): one program per SM keeps too few loads in
 flight to read at the HBM's rate (the separate projections run thousands of programs).
@@ -287,8 +288,9 @@ Triton pipelines with asynchronous copies MLP_STAGES deep; with MLP_BLOCK_K / ML
 of 128 / 256 unless set otherwise. The fma products timed in session 38 load one tile at a
 time: compiled for sm_90 with the launcher's 16-byte alignment of pointers and strides,
 bf16, the 1.5B shape's tiles, their PTX has no cp.async; this one's, 4 stages deep, 60
-(76 with the norm prologue), in 61-79 KB of shared memory. Untimed (session 38 ended with no device time left): bench rollout
---compare-attr "megatron_tlt.rollout.gpu_model:FUSED_MLP=True;megatron_tlt.rollout.gpu_model:MLP_DOT=True"."""
+(76 with the norm prologue), in 61-79 KB of shared memory. Untimed (session 38 ended with
+no device time left): bench rollout --compare-attr
+"megatron_tlt.rollout.gpu_model:FUSED_MLP=True;megatron_tlt.rollout.gpu_model:MLP_DOT=True"."""
 MLP_STAGES: int = 3
 """Pipelining stages of the fused MLP's loops (MLP_DOT)."""
 
