@@ -52,7 +52,7 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
                                                 linear_partials, mlp_barrier, norm_linear_partials,
-                                                silu_linear_partials)
+                                                silu_linear_partials, _triton_ok)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -274,18 +274,18 @@ recaptured)."""
 MLP_NORM_PROLOGUE: bool = True
 """The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
 program, as norm_linear_partials); False: rms_norm first, a launch more."""
-MLP_BLOCK_K: int = 256
-"""Input columns per gate/up tile of the fused MLP."""
+MLP_BLOCK_K: int | None = None
+"""Input columns per gate/up tile of the fused MLP; None: 256 (128 with MLP_DOT)."""
 MLP_WARPS: int = 8
 """Warps of a fused MLP program (one per SM)."""
 MLP_BLOCK_I: int = 32
 """The most intermediate columns a fused MLP program computes at a time."""
-MLP_BLOCK_KD: int = 512
-"""Intermediate columns per down-projection tile of the fused MLP."""
+MLP_BLOCK_KD: int | None = None
+"""Intermediate columns per down-projection tile of the fused MLP; None: 512 (256 with MLP_DOT)."""
 MLP_DOT: bool = False
 """The fused MLP's products as tl.dot over the row padded to 16 masked rows, whose loads
-Triton pipelines with asynchronous copies MLP_STAGES deep; with MLP_BLOCK_K / MLP_BLOCK_KD
-of 128 / 256 unless set otherwise. The fma products timed in session 38 load one tile at a
+Triton pipelines with asynchronous copies MLP_STAGES deep (smaller default tiles:
+MLP_BLOCK_K, MLP_BLOCK_KD). The fma products timed in session 38 load one tile at a
 time: compiled for sm_90 with the launcher's 16-byte alignment of pointers and strides,
 bf16, the 1.5B shape's tiles, their PTX has no cp.async; this one's, 4 stages deep, 60
 (76 with the norm prologue), in 61-79 KB of shared memory. Untimed (session 38 ended with
@@ -298,9 +298,9 @@ MLP_STAGES: int = 3
 def mlp_barrier_config(device: torch.device | str) -> dict:
     """The fused MLP's launch on this device (MLP_* knobs): one program per SM."""
     dot = bool(MLP_DOT)
-    return dict(programs=num_sms(device), block_k=128 if dot and MLP_BLOCK_K == 256 else MLP_BLOCK_K,
-                block_kd=256 if dot and MLP_BLOCK_KD == 512 else MLP_BLOCK_KD,
-                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I, dot=dot, num_stages=MLP_STAGES)
+    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K or (128 if dot else 256),
+                block_kd=MLP_BLOCK_KD or (256 if dot else 512), num_warps=MLP_WARPS,
+                max_block_i=MLP_BLOCK_I, dot=dot, num_stages=MLP_STAGES)
 
 
 def norm_warps(block: int) -> int:
@@ -896,8 +896,7 @@ class DecodeModel:
         # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
         prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
         # one row: each layer's MLP in one launch (FUSED_MLP)
-        mlp = (FUSED_MLP and input_ids.shape[0] == 1 and query_start is None
-               and (w.embed.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
+        mlp = FUSED_MLP and input_ids.shape[0] == 1 and query_start is None and _triton_ok(w.embed)
         if mlp:
             mlp_cfg = mlp_barrier_config(w.embed.device)
             counter = self._barrier_counter(mlp_cfg["programs"])

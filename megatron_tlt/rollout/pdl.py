@@ -24,9 +24,10 @@ written by a kernel that has completed. Kernels without
 the flag (cuBLAS, torch ops) are ordinary launches: they start after the previous kernel
 completes, and a PDL kernel after them waits for them to complete (no trigger: the
 implicit one at their end); the kernel right after a cuBLAS projection is itself launched
-the ordinary way (PLAIN_AFTER_CUBLAS, below), its wait then returning at once. One kernel triggers before it waits: rollout/l2_prefetch.py's
-(launched right after the attention), which loads and stores nothing and waits before it
-exits, so it completes only after its predecessor did and the chain stays ordered.
+the ordinary way (PLAIN_AFTER_CUBLAS, below), its wait then returning at once. One kernel
+triggers before it waits: rollout/l2_prefetch.py's (launched right after the attention),
+which loads and stores nothing and waits before it exits, so it completes only after its
+predecessor did and the chain stays ordered.
 
 Weight prefetch: what a projection kernel can do while it waits is ask L2 for its own
 weight slab (`prefetch.global.L2`, triton_linear._prefetch_slab), so the HBM reads of the

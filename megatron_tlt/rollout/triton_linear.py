@@ -509,9 +509,11 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
                 down: torch.Tensor,  # [H, I]
                 counter: torch.Tensor,  # [1] int64 on the device, only ever incremented (a grid barrier's)
                 *, programs: int, block_k: int, block_kd: int, num_warps: int,
-                max_block_i: int = 32, dot: bool = False, num_stages: int = 3, residual: torch.Tensor | None = None,
+                max_block_i: int = 32, dot: bool = False, num_stages: int = 3,
+                residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 bias: torch.Tensor | None = None,
+                phases: tuple[int, ...] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([1, 1, H] float32 plane, new residual)
     """down(SiLU(x @ gate.T) * (x @ up.T)) for one row in one launch of `programs` programs
     that meet at a grid barrier between the two projections (_mlp_barrier_kernel): every
@@ -521,6 +523,8 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     instead of fma products.
     With `residual` and `norm_weight`: x = RMSNorm(residual + planes (+ bias)) in the kernel,
     the new residual returned. Under the interpreter the two phases run as two launches.
+    phases: the kernel's PHASE of each launch (None: (0,) on CUDA, (1, 2) under the
+    interpreter; tools/mlp_microbench.py times (1,) and (2,) alone).
     A kernel on another stream that never finishes while this one waits (one waiting for
     this stream, say) could hold an SM a program of this launch needs: the barrier would
     then wait forever; gpu_model.FUSED_MLP is opt-in."""
@@ -550,7 +554,7 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     # columns in one tile
     chunk = -(-i // programs)
     step = -(-chunk // -(-chunk // max_block_i))
-    block_i, block_n = _next_pow2(step), _next_pow2(-(-h // programs))
+    block_i, block_n = triton.next_power_of_2(step), triton.next_power_of_2(-(-h // programs))
     if dot:  # tl.dot's tiles: at least 16 a side
         block_i, block_n, block_k, block_kd = (max(16, b) for b in (block_i, block_n, block_k, block_kd))
     args = (planes, stride_xs, bias if bias is not None else gate_up,
@@ -560,16 +564,11 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     kw = dict(BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_KD=block_kd, S_IN=s_in,
               PRO=pro, HAS_BIAS=bias is not None, LINE=max(1, 128 // down.element_size()),
               DOT=dot, num_warps=num_warps, num_stages=num_stages)
-    if gate_up.device.type == "cuda":
-        _mlp_barrier_kernel[(programs,)](*args, PHASE=0, **kw, **pdl.kwargs())
-    else:  # the interpreter: one program after another, no barrier possible
-        _mlp_barrier_kernel[(programs,)](*args, PHASE=1, **kw)
-        _mlp_barrier_kernel[(programs,)](*args, PHASE=2, **kw)
+    if phases is None:  # the interpreter runs one program after another: no barrier possible
+        phases = (0,) if gate_up.device.type == "cuda" else (1, 2)
+    for phase in phases:
+        _mlp_barrier_kernel[(programs,)](*args, PHASE=phase, **kw, **pdl.kwargs())
     return out, new_res
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 _MAX_TRITON_ROWS = int(os.environ.get("MEGATRON_TLT_TRITON_ROWS", "256"))
