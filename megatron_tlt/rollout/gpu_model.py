@@ -251,6 +251,15 @@ HBM idle. Only under PDL (rollout/pdl.py) and with the fused attention (rope_att
 shapes, batch 1 / 8 / 32; larger budgets gained more at batch 1 and lost at 32:
 l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
 --compare-attr megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
+ATTN_L2_PREFETCH_MB_FEW: float | None = None
+"""Opt-in until timed over whole steps side by side: the budget of forwards of at most
+ATTN_L2_PREFETCH_FEW_ROWS query rows (batch-1 decode), in place of ATTN_L2_PREFETCH_MB;
+None: ATTN_L2_PREFETCH_MB at every row count. In session 29's runs (H100) 8 MB ran 1.011x /
+1.012x as fast as 4 MB at the 1.5B shape, batch 1 (1.001x / 1.003x at 7B), and lost at
+batch 32, where the attention's own reads fill its window (bench rollout --compare-attr
+"megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB_FEW=8")."""
+ATTN_L2_PREFETCH_FEW_ROWS: int = 1
+"""The row count up to which ATTN_L2_PREFETCH_MB_FEW applies."""
 
 
 FUSED_MLP: bool = False
@@ -894,7 +903,10 @@ class DecodeModel:
         eps = a.rms_norm_eps
         plan = self.planner
         # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
-        prefetch = int(ATTN_L2_PREFETCH_MB * 2 ** 20) if pdl.active() else 0
+        mb = ATTN_L2_PREFETCH_MB
+        if ATTN_L2_PREFETCH_MB_FEW is not None and input_ids.shape[0] <= ATTN_L2_PREFETCH_FEW_ROWS:
+            mb = ATTN_L2_PREFETCH_MB_FEW
+        prefetch = int(mb * 2 ** 20) if pdl.active() else 0
         # one row: each layer's MLP in one launch (FUSED_MLP)
         mlp = FUSED_MLP and input_ids.shape[0] == 1 and query_start is None and _triton_ok(w.embed)
         if mlp:
