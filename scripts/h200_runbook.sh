@@ -111,8 +111,8 @@
 #             4 stages deep, with MLP_DOT and 4 warps (random weights, no target needed)
 #   s39       on an H200 the issue's benchmark first (S39_FULL=0 skips it); then bench rollout
 #             at batch 1 against the batch-1 L2 prefetch budget gpu_model.ATTN_L2_PREFETCH_MB_FEW
-#             = 8 / 12 / 16 MB and the default restated (ATTN_L2_PREFETCH_MB=4, the noise
-#             floor), twice (~1.5 min)
+#             = None (4 MB, the budget before session 39) / 12 / 16 MB and the default
+#             restated (8, the noise floor), twice (~1.5 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -493,9 +493,9 @@ PYEOF
       issue_bench "${S39_RESERVE:-120}"
     fi
     for r in 1 2; do
-      ab_bench "s39_$r" 5 --batch-sizes 1 --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8" \
+      ab_bench "s39_$r" 5 --batch-sizes 1 --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None" \
           --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=12" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB=4"
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8"
     done ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \

@@ -247,17 +247,20 @@ ATTN_L2_PREFETCH_MB: float = 4
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
 the head of the gate/up projection's, read by the next kernels while the attention leaves
 HBM idle. Only under PDL (rollout/pdl.py) and with the fused attention (rope_attention);
-0: off. 4 since session 29 (H100: 1.000x-1.007x of the step without it at the 1.5B / 7B
+0: off. 4 since session 29 (one-row forwards: ATTN_L2_PREFETCH_MB_FEW) (H100: 1.000x-1.007x of the step without it at the 1.5B / 7B
 shapes, batch 1 / 8 / 32; larger budgets gained more at batch 1 and lost at 32:
 l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
 --compare-attr megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
-ATTN_L2_PREFETCH_MB_FEW: float | None = None
-"""Opt-in until timed over whole steps side by side: the budget of forwards of at most
-ATTN_L2_PREFETCH_FEW_ROWS query rows (batch-1 decode), in place of ATTN_L2_PREFETCH_MB;
-None: ATTN_L2_PREFETCH_MB at every row count. In session 29's runs (H100) 8 MB ran 1.011x /
-1.012x as fast as 4 MB at the 1.5B shape, batch 1 (1.001x / 1.003x at 7B), and lost at
-batch 32, where the attention's own reads fill its window (bench rollout --compare-attr
-"megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB_FEW=8")."""
+ATTN_L2_PREFETCH_MB_FEW: float | None = 8
+"""The budget of forwards of at most ATTN_L2_PREFETCH_FEW_ROWS query rows (batch-1 decode),
+in place of ATTN_L2_PREFETCH_MB; None: ATTN_L2_PREFETCH_MB at every row count. In session
+29's runs (H100) 8 MB ran 1.011x / 1.012x as fast as 4 MB at the 1.5B shape, batch 1, and
+lost at batch 32, where the attention's own reads fill its window. Session 39 (H100,
+benchmarks/results/gpu_2026-12-07_session39, two runs side by side with the old default
+restated as the noise floor: 1.002x / 1.000x): 8 MB 1.011x / 1.009x at 1.5B batch 1,
+1.002x / 1.001x at 7B; 12 MB 1.008x / 1.007x, 16 MB 1.006x / 1.004x: 8 by default since
+(bench rollout --compare-attr "megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB_FEW=None"
+for the old budget)."""
 ATTN_L2_PREFETCH_FEW_ROWS: int = 1
 """The row count up to which ATTN_L2_PREFETCH_MB_FEW applies."""
 

@@ -465,7 +465,7 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, few_rows, budg
     without it. Without PDL nothing is asked for (negative control: a prefetch kernel would
     only run serialised between the attention and the merge). ATTN_L2_PREFETCH_MB_FEW
     (3 MB here) replaces the budget of this two-row step when ATTN_L2_PREFETCH_FEW_ROWS is 2,
-    not when it is 1."""
+    not when it is 1 or ATTN_L2_PREFETCH_MB_FEW is None."""
     from megatron_tlt.rollout import gpu_model, pdl
     monkeypatch.setenv(FUSED_ROPE_ENV, "1")
     bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
@@ -480,9 +480,8 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, few_rows, budg
         (a.data_ptr(), b.data_ptr(), n)) or 0)
     monkeypatch.setattr(pdl, "active", lambda: pdl_on)  # the CPU has no PDL: its wiring only
     monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", 1.5)
-    if few_rows is not None:
-        monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB_FEW", 3.0)
-        monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_FEW_ROWS", few_rows)
+    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB_FEW", None if few_rows is None else 3.0)
+    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_FEW_ROWS", few_rows or 2)
     out = run()
     assert torch.equal(out, ref)
     want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), budget), "merge"]
