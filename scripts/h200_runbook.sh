@@ -113,10 +113,6 @@
 #             at batch 1 against the batch-1 L2 prefetch budget gpu_model.ATTN_L2_PREFETCH_MB_FEW
 #             = None (4 MB, the budget before session 39) / 12 / 16 MB and the default
 #             restated (8, the noise floor), twice (~1.5 min)
-#   s39b      the L2 prefetch's second range: tests/gpu/test_l2_prefetch_gpu.py (S39B_TESTS=0
-#             skips it), then bench rollout at batch 1 / 8 / 32 against
-#             gpu_model.ATTN_L2_PREFETCH_NEXT_QKV=True, that with l2_prefetch.SECOND_EVICT_LAST,
-#             SECOND_EVICT_LAST alone, and the default restated (~2.5 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -501,12 +497,6 @@ PYEOF
           --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=12" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" \
           --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8"
     done ;;
-  s39b)
-    G=megatron_tlt.rollout.gpu_model; P=megatron_tlt.rollout.l2_prefetch
-    [ "${S39B_TESTS:-1}" = 1 ] && pytest_stage "s39b tests" 200 gpu_tests_s39b.log tests/gpu/test_l2_prefetch_gpu.py
-    ab_bench s39b 5 --compare-attr "$G:ATTN_L2_PREFETCH_NEXT_QKV=True" \
-        --compare-attr "$G:ATTN_L2_PREFETCH_NEXT_QKV=True;$P:SECOND_EVICT_LAST=True" \
-        --compare-attr "$P:SECOND_EVICT_LAST=True" --compare-attr "$G:ATTN_L2_PREFETCH_NEXT_QKV=False" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1

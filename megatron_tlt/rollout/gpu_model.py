@@ -263,13 +263,6 @@ restated as the noise floor: 1.002x / 1.000x): 8 MB 1.011x / 1.009x at 1.5B batc
 for the old budget)."""
 ATTN_L2_PREFETCH_FEW_ROWS: int = 1
 """The row count up to which ATTN_L2_PREFETCH_MB_FEW applies."""
-ATTN_L2_PREFETCH_NEXT_QKV: bool = False
-"""Opt-in, untimed: the L2 prefetch after a layer's attention asks for the output
-projection's weights, then the next layer's QKV projection's (a projection of a few MB
-whose time at small batches is mostly latency), instead of the head of this layer's
-gate/up projection's (the last layer keeps gate/up). Between the two the MLP streams more
-than L2 holds, hence l2_prefetch.SECOND_EVICT_LAST to try with it (bench rollout
---compare-attr "megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_NEXT_QKV=True")."""
 
 
 FUSED_MLP: bool = False
@@ -939,10 +932,7 @@ class DecodeModel:
                                    context_lens, scale=self.scale, num_splits=num_splits,
                                    query_start=query_start, tree_mask=tree_mask,
                                    after_launch=functools.partial(
-                                       l2_prefetch, lw.o_weight,
-                                       w.layers[layer + 1].qkv_weight
-                                       if ATTN_L2_PREFETCH_NEXT_QKV and layer + 1 < len(w.layers)
-                                       else lw.gate_up_weight, prefetch)
+                                       l2_prefetch, lw.o_weight, lw.gate_up_weight, prefetch)
                                    if prefetch else None,
                                    **heads)
             else:

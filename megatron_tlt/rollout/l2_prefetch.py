@@ -42,21 +42,12 @@ from megatron_tlt.rollout import pdl
 LINE = 128  # bytes per prefetch.global.L2
 BLOCK = 1024  # lines per program
 
-SECOND_EVICT_LAST: bool = False
-"""Opt-in, untimed: the second range's lines asked for with the `evict_last` hint
-(`prefetch.global.L2::evict_last`), so that weights needed only after other kernels have
-streamed more than L2 holds (gpu_model.ATTN_L2_PREFETCH_NEXT_QKV: the next layer's QKV
-projection, read after this layer's MLP) are the last lines L2 gives up. Read at each
-launch (bench rollout --compare-attr megatron_tlt.rollout.l2_prefetch:SECOND_EVICT_LAST=True)."""
-
 
 @triton.jit
 def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, LINE: tl.constexpr,
-                        BLOCK: tl.constexpr, B_EVICT_LAST: tl.constexpr = False,
-                        USE_PDL: tl.constexpr = False):
-    """Program p asks L2 for lines p * BLOCK .. of the byte ranges a then b (b's with the
-    evict_last hint if B_EVICT_LAST). Module docstring: why the trigger comes first and the
-    wait last."""
+                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Program p asks L2 for lines p * BLOCK .. of the byte ranges a then b. Module
+    docstring: why the trigger comes first and the wait last."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     n_a = tl.cdiv(a_bytes, LINE)
@@ -66,14 +57,8 @@ def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, LINE: tl.constexpr,
     ia = tl.minimum(i, n_a - 1).to(tl.int64) * LINE
     ib = tl.minimum(tl.maximum(i - n_a, 0), tl.maximum(n_b - 1, 0)).to(tl.int64) * LINE
     ptr = tl.where(in_a, a_ptr + ia, b_ptr + ib)
-    if B_EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1];"
-            " @!p prefetch.global.L2::evict_last [$1]; } // $0", "=r,l,r",
-            [ptr, in_a.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
+                              dtype=tl.int32, is_pure=False, pack=1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -105,7 +90,6 @@ def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -
     if na == 0:
         return 0
     lines = -(-na // LINE) + -(-nb // LINE)
-    _l2_prefetch_kernel[(-(-lines // BLOCK),)](a, na, b, nb, LINE=LINE, BLOCK=BLOCK,
-                                               B_EVICT_LAST=bool(SECOND_EVICT_LAST and nb),
-                                               num_warps=4, **pdl.kwargs())
+    _l2_prefetch_kernel[(-(-lines // BLOCK),)](a, na, b, nb, LINE=LINE, BLOCK=BLOCK, num_warps=4,
+                                               **pdl.kwargs())
     return na + nb

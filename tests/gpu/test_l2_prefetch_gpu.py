@@ -74,18 +74,3 @@ def test_l2_prefetch_decode_same_bits(mb, monkeypatch):
     outs = graph_decode_both_ways(arch, w, dtype, 6, switch)
     assert switch.asked[False] == 0 and switch.asked[True] > 0, switch.asked
     assert outs[True] == outs[False]
-
-
-def test_l2_prefetch_next_qkv_evict_last_same_bits(monkeypatch):
-    """gpu_model.ATTN_L2_PREFETCH_NEXT_QKV with l2_prefetch.SECOND_EVICT_LAST (the next
-    layer's QKV weights asked for with the evict_last hint, its predicated PTX): graph
-    decode gives the same tokens and bit-identical logprobs as without the prefetch.
-    Control: the prefetch run asked for bytes, the other none."""
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_NEXT_QKV", True)
-    monkeypatch.setattr(l2_prefetch, "SECOND_EVICT_LAST", True)
-    dtype = torch.bfloat16
-    arch, w = small_model(dtype, seed=5)
-    switch = PrefetchSwitch(64, monkeypatch)
-    outs = graph_decode_both_ways(arch, w, dtype, 6, switch)
-    assert switch.asked[False] == 0 and switch.asked[True] > 0, switch.asked
-    assert outs[True] == outs[False]

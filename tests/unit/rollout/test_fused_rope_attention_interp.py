@@ -489,29 +489,6 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, few_rows, budg
     assert events == [e for pair in want for e in pair]
 
 
-def test_forward_prefetches_next_qkv_when_asked(monkeypatch):
-    """gpu_model.ATTN_L2_PREFETCH_NEXT_QKV: each layer's prefetch after the attention asks
-    for its output projection, then the next layer's QKV weights; the last layer's for its
-    own gate/up weights (no next layer). Logits unchanged. Control: off, every layer's
-    second range is its gate/up weights."""
-    from megatron_tlt.rollout import gpu_model, pdl
-    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
-    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
-                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
-    ref = run()
-    seconds = []
-    monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n: seconds.append(b.data_ptr()) or 0)
-    monkeypatch.setattr(pdl, "active", lambda: True)
-    for on in (True, False):
-        monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_NEXT_QKV", on)
-        seconds.clear()
-        assert torch.equal(run(), ref)
-        want = [w.layers[1].qkv_weight.data_ptr(), w.layers[1].gate_up_weight.data_ptr()] if on \
-            else [lw.gate_up_weight.data_ptr() for lw in w.layers]
-        assert seconds == want
-
-
 def test_l2_prefetch_ranges():
     """rollout/l2_prefetch.prefetch_ranges: the first weight's bytes from its start, then
     the second's with the rest of the budget; a tensor that is not contiguous is skipped
