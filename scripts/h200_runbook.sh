@@ -107,9 +107,9 @@
 #   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
 #             (S38_TESTS=0 skips them), tools/mlp_microbench.py (the kernel and its phases
 #             alone against the separate kernels), then bench rollout at batch 1 against
-#             FUSED_MLP=True as is (fma), with MLP_DOT (pipelined tl.dot loads), with MLP_DOT
-#             4 stages deep, with MLP_DOT and 4 warps (random weights, no target needed)
-#   s39       on an H200 the issue's benchmark first (S39_FULL=0 skips it); then bench rollout
+#             FUSED_MLP=True (random weights, no target needed)
+#   s39       on an H200 the issue's benchmark first (S39_FULL=0 skips it, =2 runs it on any
+#             card; ~6 min on an H100); then bench rollout
 #             at batch 1 against the batch-1 L2 prefetch budget gpu_model.ATTN_L2_PREFETCH_MB_FEW
 #             = None (4 MB, the budget before session 39) / 12 / 16 MB and the default
 #             restated (8, the noise floor), twice (~1.5 min)
@@ -485,11 +485,10 @@ PYEOF
     timeout "$(upto 60)" $PY tools/mlp_microbench.py > "$RESULTS/mlp_microbench.log" 2>&1
     echo "[runbook] s38 microbench: rc=$? at $(( $(date +%s) - t0 )) s"; cat "$RESULTS/mlp_microbench.log"
     F="$G:FUSED_MLP=True"
-    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" --compare-attr "$F;$G:MLP_DOT=True" \
-        --compare-attr "$F;$G:MLP_DOT=True;$G:MLP_STAGES=4" --compare-attr "$F;$G:MLP_DOT=True;$G:MLP_WARPS=4" ;;
+    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" ;;
   s39)
     G=megatron_tlt.rollout.gpu_model
-    if [ "${S39_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if [ "${S39_FULL:-1}" = 2 ] || { [ "${S39_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }; then
       issue_bench "${S39_RESERVE:-120}"
     fi
     for r in 1 2; do

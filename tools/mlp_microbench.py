@@ -41,9 +41,7 @@ def main() -> int:
         res = {}
         for name, extra in [("fused", {}), ("fused_w4", dict(num_warps=4)),
                             ("fused_i16k512", dict(max_block_i=16, block_k=512)),
-                            ("fused_i64k128", dict(max_block_i=64, block_k=128)),
-                            ("fused_dot", dict(dot=True, block_k=128, block_kd=256)),
-                            ("fused_dot_s4", dict(dot=True, block_k=128, block_kd=256, num_stages=4))]:
+                            ("fused_i64k128", dict(max_block_i=64, block_k=128))]:
             k2 = dict(kw, **extra)
             res[name] = _time_us(lambda k: mlp_barrier(x, gus[k % 6], dns[k % 6], cnt, **k2), 16)  # noqa: B023
         for ph in (1, 2):  # one phase alone (phase 2 over an unset intermediate row: timing only)

@@ -280,39 +280,30 @@ it took 71.6 us against 33.4 for the separate kernels at the 1.5B shape (its fir
 alone 38.2 us for two thirds of the bytes): one program per SM keeps too few loads in
 flight to read at the HBM's rate (the separate projections run thousands of programs).
 A variant adding each program's share of the down projection with integer atomics into a
-fixed-point row ran 0.581x / 0.280x (1.5B / 7B) and was removed. Read at each forward
-(bench rollout --compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True; graphs
-recaptured)."""
+fixed-point row ran 0.581x / 0.280x (1.5B / 7B) and was removed. A variant running both
+phases as tl.dot over the row padded to 16 masked rows (pipelined cp.async loads; MLP_DOT)
+ran 0.416x / 0.394x of the default step at batch 1 (1.5B / 7B; 0.413x-0.642x with 4 stages
+or 4 warps) in session 39 (H100, benchmarks/results/gpu_2026-12-07_session39) and was
+removed; FUSED_MLP itself ran 0.830x / 0.826x there (1.5B / 7B, batch 1). Read at each
+forward (bench rollout --compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True;
+graphs recaptured)."""
 MLP_NORM_PROLOGUE: bool = True
 """The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
 program, as norm_linear_partials); False: rms_norm first, a launch more."""
-MLP_BLOCK_K: int | None = None
-"""Input columns per gate/up tile of the fused MLP; None: 256 (128 with MLP_DOT)."""
+MLP_BLOCK_K: int = 256
+"""Input columns per gate/up tile of the fused MLP."""
 MLP_WARPS: int = 8
 """Warps of a fused MLP program (one per SM)."""
 MLP_BLOCK_I: int = 32
 """The most intermediate columns a fused MLP program computes at a time."""
-MLP_BLOCK_KD: int | None = None
-"""Intermediate columns per down-projection tile of the fused MLP; None: 512 (256 with MLP_DOT)."""
-MLP_DOT: bool = False
-"""The fused MLP's products as tl.dot over the row padded to 16 masked rows, whose loads
-Triton pipelines with asynchronous copies MLP_STAGES deep (smaller default tiles:
-MLP_BLOCK_K, MLP_BLOCK_KD). The fma products timed in session 38 load one tile at a
-time: compiled for sm_90 with the launcher's 16-byte alignment of pointers and strides,
-bf16, the 1.5B shape's tiles, their PTX has no cp.async; this one's, 4 stages deep, 60
-(76 with the norm prologue), in 61-79 KB of shared memory. Untimed (session 38 ended with
-no device time left): bench rollout --compare-attr
-"megatron_tlt.rollout.gpu_model:FUSED_MLP=True;megatron_tlt.rollout.gpu_model:MLP_DOT=True"."""
-MLP_STAGES: int = 3
-"""Pipelining stages of the fused MLP's loops (MLP_DOT)."""
+MLP_BLOCK_KD: int = 512
+"""Intermediate columns per down-projection tile of the fused MLP."""
 
 
 def mlp_barrier_config(device: torch.device | str) -> dict:
     """The fused MLP's launch on this device (MLP_* knobs): one program per SM."""
-    dot = bool(MLP_DOT)
-    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K or (128 if dot else 256),
-                block_kd=MLP_BLOCK_KD or (256 if dot else 512), num_warps=MLP_WARPS,
-                max_block_i=MLP_BLOCK_I, dot=dot, num_stages=MLP_STAGES)
+    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K, block_kd=MLP_BLOCK_KD,
+                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I)
 
 
 def norm_warps(block: int) -> int:

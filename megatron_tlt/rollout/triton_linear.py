@@ -404,7 +404,7 @@ def _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, w_ptr, H, rm, BLOCK_K: tl
     """[len(rm)]: the norm prologue's (PRO 2) 1 / RMS of the row residual + planes (+ bias)
     (rows of rm past the first masked), its mean square summed in BLOCK_K chunks (as
     _linear_kernel's); zeros without a prologue."""
-    rstd = (rm * 0).to(tl.float32)  # one per row of rm (the dot path's 16, masked but row 0)
+    rstd = (rm * 0).to(tl.float32)  # one per row of rm
     if PRO == 2:
         ss = (rm * 0).to(tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -422,7 +422,7 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
                         BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_KD: tl.constexpr, PHASE: tl.constexpr, S_IN: tl.constexpr,
                         PRO: tl.constexpr, HAS_BIAS: tl.constexpr, LINE: tl.constexpr = 64,
-                        DOT: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        USE_PDL: tl.constexpr = False):
     # One row, P programs (all resident at once: at most one per SM). Phase 1: program p
     # computes the intermediate columns [p I / P, (p + 1) I / P) (gate and up products, fma,
     # `step` <= BLOCK_I at a time), stores SiLU(gate) * up in the model dtype (silu_mul's roundings)
@@ -430,10 +430,8 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
     # grows: this launch's programs wait for the next multiple of P). Phase 2: program p
     # computes the output columns [p H / P, (p + 1) H / P) over all of xi: one float32
     # plane, no atomics on the data. PHASE 1 / 2 run one phase (two launches: the
-    # interpreter runs programs one after another, where the barrier cannot wait).
-    # DOT: both phases as tl.dot over the row padded to 16 (masked) rows, as the `dot`
-    # configs, whose loops Triton pipelines with asynchronous copies (num_stages deep);
-    # else fma products, loaded one tile at a time.
+    # interpreter runs programs one after another, where the barrier cannot wait). Both
+    # phases as fma products, loaded one tile at a time.
     DT = gu_ptr.dtype.element_ty
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -443,7 +441,7 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
     n_ok = rn < n_hi
     if PHASE != 2:
         pdl_enter(USE_PDL)  # the first load of another kernel's output, the first store
-        rm = tl.arange(0, 16 if DOT else 1)
+        rm = tl.arange(0, 1)
         m_ok = rm < 1
         rstd = _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, gu_ptr, H, rm, BLOCK_K, S_IN,
                              PRO, HAS_BIAS)
@@ -454,20 +452,18 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
             i_ok = (ri < i0 + step) & (ri < i_hi)
             g_rows = gu_ptr + ri.to(tl.int64)[:, None] * stride_gu
             u_rows = gu_ptr + (ri + I).to(tl.int64)[:, None] * stride_gu
-            if DOT:  # [16, BLOCK_I]: row 0 the product, the masked rows zeros
-                acc_g = tl.zeros([16, BLOCK_I], tl.float32)
-            else:  # [BLOCK_I, BLOCK_K] products, reduced once at the end
-                acc_g = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
+            # [BLOCK_I, BLOCK_K] products, reduced once at the end
+            acc_g = tl.zeros([BLOCK_I, BLOCK_K], tl.float32)
             acc_u = tl.zeros_like(acc_g)
             for k0 in range(0, H, BLOCK_K):
                 x = _x_in(k0, H, x_ptr, stride_xs, 0, b_ptr, r_ptr, r_out_ptr, nw_ptr, 0, rstd, rm,
-                          m_ok, H, (pid == 0) & (i0 == i_lo), gu_ptr, 0, BLOCK_K, DOT, S_IN,
+                          m_ok, H, (pid == 0) & (i0 == i_lo), gu_ptr, 0, BLOCK_K, False, S_IN,
                           PRO, HAS_BIAS)
-                acc_g = _mac(acc_g, _w_tile(g_rows, i_ok, k0, H, BLOCK_K), x, DOT)
-                acc_u = _mac(acc_u, _w_tile(u_rows, i_ok, k0, H, BLOCK_K), x, DOT)
-            # the projection output's rounding (the dot's masked rows add zeros)
-            g = tl.sum(acc_g, 0 if DOT else 1).to(DT).to(tl.float32)
-            u = tl.sum(acc_u, 0 if DOT else 1).to(DT).to(tl.float32)
+                acc_g = _mac(acc_g, _w_tile(g_rows, i_ok, k0, H, BLOCK_K), x, False)
+                acc_u = _mac(acc_u, _w_tile(u_rows, i_ok, k0, H, BLOCK_K), x, False)
+            # the projection output's rounding
+            g = tl.sum(acc_g, 1).to(DT).to(tl.float32)
+            u = tl.sum(acc_u, 1).to(DT).to(tl.float32)
             a = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
             tl.store(xi_ptr + ri, (a * u).to(DT), mask=i_ok)
         if PHASE == 0:
@@ -485,23 +481,14 @@ def _mlp_barrier_kernel(x_ptr, stride_xs, b_ptr, r_ptr, r_out_ptr, nw_ptr, eps, 
         pdl_enter(USE_PDL)
     if PHASE != 1:
         w_rows = down_ptr + rn.to(tl.int64)[:, None] * stride_down
-        if DOT:
-            r16 = tl.arange(0, 16)
-            acc = tl.zeros([16, BLOCK_N], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_KD], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_KD], tl.float32)
         for k0 in range(0, I, BLOCK_KD):
             rk = k0 + tl.arange(0, BLOCK_KD)
             k_ok = rk < I
             w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT:  # xi as row 0 of a [16, BLOCK_KD] tile, the other rows masked to zeros
-                xv = tl.load(xi_ptr + rk[None, :] + 0 * r16[:, None],
-                             mask=(r16 < 1)[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-                acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
-            else:
-                xv = tl.load(xi_ptr + rk, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                acc += w.to(tl.float32) * xv[None, :]
-        tl.store(out_ptr + rn, tl.sum(acc, 0 if DOT else 1), mask=n_ok)
+            xv = tl.load(xi_ptr + rk, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            acc += w.to(tl.float32) * xv[None, :]
+        tl.store(out_ptr + rn, tl.sum(acc, 1), mask=n_ok)
 
 
 def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x [1, H]
@@ -509,7 +496,7 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
                 down: torch.Tensor,  # [H, I]
                 counter: torch.Tensor,  # [1] int64 on the device, only ever incremented (a grid barrier's)
                 *, programs: int, block_k: int, block_kd: int, num_warps: int,
-                max_block_i: int = 32, dot: bool = False, num_stages: int = 3,
+                max_block_i: int = 32,
                 residual: torch.Tensor | None = None,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 bias: torch.Tensor | None = None,
@@ -519,8 +506,6 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     that meet at a grid barrier between the two projections (_mlp_barrier_kernel): every
     program must be resident at once, so at most one per SM (the caller's choice). The
     result is one float32 plane, each output column summed by one program (deterministic).
-    dot: tl.dot over the row padded to 16 masked rows (pipelined loads, num_stages deep)
-    instead of fma products.
     With `residual` and `norm_weight`: x = RMSNorm(residual + planes (+ bias)) in the kernel,
     the new residual returned. Under the interpreter the two phases run as two launches.
     phases: the kernel's PHASE of each launch (None: (0,) on CUDA, (1, 2) under the
@@ -555,15 +540,13 @@ def mlp_barrier(planes: torch.Tensor,  # [S, 1, H] planes (with residual), or x 
     chunk = -(-i // programs)
     step = -(-chunk // -(-chunk // max_block_i))
     block_i, block_n = triton.next_power_of_2(step), triton.next_power_of_2(-(-h // programs))
-    if dot:  # tl.dot's tiles: at least 16 a side
-        block_i, block_n, block_k, block_kd = (max(16, b) for b in (block_i, block_n, block_k, block_kd))
     args = (planes, stride_xs, bias if bias is not None else gate_up,
             residual if residual is not None else gate_up, new_res if new_res is not None else gate_up,
             norm_weight if norm_weight is not None else gate_up, float(eps), gate_up, gate_up.stride(0),
             down, down.stride(0), xi, out, counter, h, i, step)
     kw = dict(BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_KD=block_kd, S_IN=s_in,
               PRO=pro, HAS_BIAS=bias is not None, LINE=max(1, 128 // down.element_size()),
-              DOT=dot, num_warps=num_warps, num_stages=num_stages)
+              num_warps=num_warps, num_stages=3)  # the fma loops load one tile at a time
     if phases is None:  # the interpreter runs one program after another: no barrier possible
         phases = (0,) if gate_up.device.type == "cuda" else (1, 2)
     for phase in phases:

@@ -31,17 +31,15 @@ def _rel(out, ref):
     return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-@pytest.mark.parametrize("dot", [False, True], ids=["fma", "dot"])
 @pytest.mark.parametrize("h,i,programs,max_block_i,block_k,block_kd",
                          [(64, 96, 4, 32, 32, 64), (48, 200, 7, 16, 16, 32), (80, 130, 3, 8, 64, 128)])
-def test_mlp_barrier_equals_the_two_projections(h, i, programs, max_block_i, block_k, block_kd, dot):
+def test_mlp_barrier_equals_the_two_projections(h, i, programs, max_block_i, block_k, block_kd):
     g = torch.Generator().manual_seed(h * i)
     x = torch.randn(1, h, generator=g)
     gate_up = 0.2 * torch.randn(2 * i, h, generator=g)
     down = 0.2 * torch.randn(h, i, generator=g)
     counter = torch.zeros(1, dtype=torch.int64)
-    kw = dict(programs=programs, block_k=block_k, block_kd=block_kd, num_warps=4, max_block_i=max_block_i,
-              dot=dot)
+    kw = dict(programs=programs, block_k=block_k, block_kd=block_kd, num_warps=4, max_block_i=max_block_i)
     out, res = mlp_barrier(x, gate_up, down, counter, **kw)
     assert res is None and out.shape == (1, 1, h) and out.dtype == torch.float32
     assert _rel(out[0], _mlp_ref(x, gate_up, down)) < 1e-5
@@ -69,10 +67,9 @@ def test_mlp_barrier_rejects_bad_arguments():
         mlp_barrier(torch.zeros(2, 8), gu, down, torch.zeros(1, dtype=torch.int64), **bkw)
 
 
-@pytest.mark.parametrize("prologue,qkv_fused,dot", [(True, False, False), (False, False, False),
-                                                    (True, True, False), (True, False, True)],
-                         ids=["norm-prologue", "rms-norm-first", "qkv-norm-prologue-reads-it", "dot"])
-def test_decode_model_fused_mlp_matches_inference_model(prologue, qkv_fused, dot, monkeypatch):
+@pytest.mark.parametrize("prologue,qkv_fused", [(True, False), (False, False), (True, True)],
+                         ids=["norm-prologue", "rms-norm-first", "qkv-norm-prologue-reads-it"])
+def test_decode_model_fused_mlp_matches_inference_model(prologue, qkv_fused, monkeypatch):
     """FUSED_MLP on: a one-row step runs the fused MLP once a layer (no silu_mul) and its
     logits match the reference forward (the next layer's QKV reads its plane through
     rms_norm, or through its own norm prologue with qkv_fused); a two-row step keeps the
@@ -80,7 +77,6 @@ def test_decode_model_fused_mlp_matches_inference_model(prologue, qkv_fused, dot
     import megatron_tlt.rollout.gpu_model as gm
     monkeypatch.setattr(gm, "FUSED_MLP", True)
     monkeypatch.setattr(gm, "MLP_NORM_PROLOGUE", prologue)
-    monkeypatch.setattr(gm, "MLP_DOT", dot)
     fn = "mlp_barrier"
     calls = {fn: 0, "silu_mul": 0}
 
