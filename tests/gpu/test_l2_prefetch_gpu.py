@@ -59,6 +59,8 @@ class PrefetchSwitch:
         model.pdl = True
         self.on = on
         self.monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", self.mb if on else 0)
+        # one-row steps' budget too (the ragged batch ends with one row)
+        self.monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB_FEW", self.mb if on else 0)
 
 
 @pytest.mark.parametrize("mb", [4, 64])
