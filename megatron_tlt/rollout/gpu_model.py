@@ -247,13 +247,15 @@ ATTN_L2_PREFETCH_MB: float = 4
 launch, decode and the tree verify (rollout/l2_prefetch.py): the output projection's, then
 the head of the gate/up projection's, read by the next kernels while the attention leaves
 HBM idle. Only under PDL (rollout/pdl.py) and with the fused attention (rope_attention);
-0: off. 4 since session 29 (one-row forwards: ATTN_L2_PREFETCH_MB_FEW) (H100: 1.000x-1.007x of the step without it at the 1.5B / 7B
+0: off. 4 since session 29 (H100: 1.000x-1.007x of the step without it at the 1.5B / 7B
 shapes, batch 1 / 8 / 32; larger budgets gained more at batch 1 and lost at 32:
-l2_prefetch's docstring). Read at each forward, for A/B runs (bench rollout
---compare-attr megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
+l2_prefetch's docstring); one-row forwards take ATTN_L2_PREFETCH_MB_FEW. Read at each
+forward, for A/B runs (bench rollout --compare-attr
+megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
 ATTN_L2_PREFETCH_MB_FEW: float | None = 8
 """The budget of forwards of at most ATTN_L2_PREFETCH_FEW_ROWS query rows (batch-1 decode),
-in place of ATTN_L2_PREFETCH_MB; None: ATTN_L2_PREFETCH_MB at every row count. In session
+in place of ATTN_L2_PREFETCH_MB unless that is 0 (off everywhere); None:
+ATTN_L2_PREFETCH_MB at every row count. In session
 29's runs (H100) 8 MB ran 1.011x / 1.012x as fast as 4 MB at the 1.5B shape, batch 1, and
 lost at batch 32, where the attention's own reads fill its window. Session 39 (H100,
 benchmarks/results/gpu_2026-12-07_session39, two runs side by side with the old default
@@ -896,9 +898,11 @@ class DecodeModel:
             attn_kw = dict(query_start=query_start, max_query_len=int(max_query_len))
         eps = a.rms_norm_eps
         plan = self.planner
-        # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB; PDL only)
+        # bytes each layer asks L2 for after its attention (ATTN_L2_PREFETCH_MB, or _MB_FEW
+        # for few rows; PDL only)
         mb = ATTN_L2_PREFETCH_MB
-        if ATTN_L2_PREFETCH_MB_FEW is not None and input_ids.shape[0] <= ATTN_L2_PREFETCH_FEW_ROWS:
+        few = input_ids.shape[0] <= ATTN_L2_PREFETCH_FEW_ROWS
+        if mb and few and ATTN_L2_PREFETCH_MB_FEW is not None:
             mb = ATTN_L2_PREFETCH_MB_FEW
         prefetch = int(mb * 2 ** 20) if pdl.active() else 0
         # one row: each layer's MLP in one launch (FUSED_MLP)

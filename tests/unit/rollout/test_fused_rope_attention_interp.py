@@ -456,16 +456,18 @@ def test_forward_fused_rope_equals_separate(family, monkeypatch):
     assert calls == ([] if family == "qwen3" else [False] * 6 + [True] * 2)
 
 
-@pytest.mark.parametrize("pdl_on,few_rows,budget", [
-    (True, None, 3 << 19), (False, None, 3 << 19), (True, 2, 3 << 20), (True, 1, 3 << 19)])
-def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, few_rows, budget, monkeypatch):
+@pytest.mark.parametrize("pdl_on,mb,few_rows,budget", [
+    (True, 1.5, None, 3 << 19), (False, 1.5, None, 3 << 19), (True, 1.5, 2, 3 << 20),
+    (True, 1.5, 1, 3 << 19), (True, 0, 2, 0)])
+def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, mb, few_rows, budget, monkeypatch):
     """gpu_model.ATTN_L2_PREFETCH_MB: under PDL, each layer's fused attention launch is
     followed by l2_prefetch(o_weight, gate_up_weight, budget) before its split merge (so the
     prefetch overlaps the attention, rollout/l2_prefetch.py), and the logits are those
     without it. Without PDL nothing is asked for (negative control: a prefetch kernel would
     only run serialised between the attention and the merge). ATTN_L2_PREFETCH_MB_FEW
     (3 MB here) replaces the budget of this two-row step when ATTN_L2_PREFETCH_FEW_ROWS is 2,
-    not when it is 1 or ATTN_L2_PREFETCH_MB_FEW is None."""
+    not when it is 1 or ATTN_L2_PREFETCH_MB_FEW is None; ATTN_L2_PREFETCH_MB=0 is off at
+    every row count."""
     from megatron_tlt.rollout import gpu_model, pdl
     monkeypatch.setenv(FUSED_ROPE_ENV, "1")
     bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
@@ -479,13 +481,13 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, few_rows, budg
     monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n: events.append(
         (a.data_ptr(), b.data_ptr(), n)) or 0)
     monkeypatch.setattr(pdl, "active", lambda: pdl_on)  # the CPU has no PDL: its wiring only
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", 1.5)
+    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", mb)
     monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB_FEW", None if few_rows is None else 3.0)
     monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_FEW_ROWS", few_rows or 2)
     out = run()
     assert torch.equal(out, ref)
     want = [[(lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr(), budget), "merge"]
-            if pdl_on else ["merge"] for lw in w.layers]
+            if pdl_on and budget else ["merge"] for lw in w.layers]
     assert events == [e for pair in want for e in pair]
 
 
