@@ -254,10 +254,10 @@ forward, for A/B runs (bench rollout --compare-attr
 megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_MB=0; graphs recaptured)."""
 ATTN_L2_PREFETCH_MB_FEW: float | None = 8
 """The budget of forwards of at most ATTN_L2_PREFETCH_FEW_ROWS query rows (batch-1 decode),
-in place of ATTN_L2_PREFETCH_MB unless that is 0 (off everywhere); None:
-ATTN_L2_PREFETCH_MB at every row count. In session
-29's runs (H100) 8 MB ran 1.011x / 1.012x as fast as 4 MB at the 1.5B shape, batch 1, and
-lost at batch 32, where the attention's own reads fill its window. Session 39 (H100,
+in place of ATTN_L2_PREFETCH_MB unless that is 0 (off everywhere); None: ATTN_L2_PREFETCH_MB
+at every row count. In session 29's runs (H100) 8 MB ran 1.011x / 1.012x as fast as 4 MB at
+the 1.5B shape, batch 1, and lost at batch 32, where the attention's own reads fill its
+window. Session 39 (H100,
 benchmarks/results/gpu_2026-12-07_session39, two runs side by side with the old default
 restated as the noise floor: 1.002x / 1.000x): 8 MB 1.011x / 1.009x at 1.5B batch 1,
 1.002x / 1.001x at 7B; 12 MB 1.008x / 1.007x, 16 MB 1.006x / 1.004x: 8 by default since

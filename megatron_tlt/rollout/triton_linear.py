@@ -401,12 +401,11 @@ def norm_linear_partials(h: torch.Tensor,  # [S, M, K] planes of the previous pr
 @triton.jit
 def _one_row_rstd(x_ptr, stride_xs, b_ptr, r_ptr, eps, w_ptr, H, rm, BLOCK_K: tl.constexpr,
                   S_IN: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """[len(rm)]: the norm prologue's (PRO 2) 1 / RMS of the row residual + planes (+ bias)
-    (rows of rm past the first masked), its mean square summed in BLOCK_K chunks (as
-    _linear_kernel's); zeros without a prologue."""
-    rstd = (rm * 0).to(tl.float32)  # one per row of rm
+    """[1]: the norm prologue's (PRO 2) 1 / RMS of the row residual + planes (+ bias), its
+    mean square summed in BLOCK_K chunks (as _linear_kernel's); zeros without a prologue."""
+    rstd = tl.zeros([1], tl.float32)
     if PRO == 2:
-        ss = (rm * 0).to(tl.float32)
+        ss = tl.zeros([1], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             h = _residual_sum(x_ptr, stride_xs, 0, b_ptr, r_ptr, 0, rm, rk,
