@@ -104,10 +104,6 @@
 #             against triton_linear.CUBLAS_MARGIN=1.05 and PLAIN_AFTER_CUBLAS=False (~2 min;
 #             S37B_REPEAT=1: each compare twice, the second a repeat on the first's plans);
 #             first the GPU test of FMA_WIDE's configs (S37B_TESTS=0 skips it; ~30 s)
-#   s38       the one-launch MLP of one-row steps (gpu_model.FUSED_MLP, opt-in): its GPU tests
-#             (S38_TESTS=0 skips them), tools/mlp_microbench.py (the kernel and its phases
-#             alone against the separate kernels), then bench rollout at batch 1 against
-#             FUSED_MLP=True (random weights, no target needed)
 #   s39       on an H200 the benchmark first (S39_FULL=0 skips it, =2 runs it on any
 #             card; ~6 min on an H100); then bench rollout
 #             at batch 1 against the batch-1 L2 prefetch budget gpu_model.ATTN_L2_PREFETCH_MB_FEW
@@ -485,13 +481,6 @@ PYEOF
         tests/gpu/test_engine_gpu.py -k "fma_wide_configs"
     ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
-  s38)
-    G=megatron_tlt.rollout.gpu_model
-    [ "${S38_TESTS:-1}" = 1 ] && pytest_stage "s38 tests" 240 gpu_tests_s38.log tests/gpu/test_fused_mlp_gpu.py
-    timeout "$(upto 60)" $PY tools/mlp_microbench.py > "$RESULTS/mlp_microbench.log" 2>&1
-    echo "[runbook] s38 microbench: rc=$? at $(( $(date +%s) - t0 )) s"; cat "$RESULTS/mlp_microbench.log"
-    F="$G:FUSED_MLP=True"
-    ab_bench s38 5 --batch-sizes 1 --compare-attr "$F" ;;
   s39)
     G=megatron_tlt.rollout.gpu_model
     if [ "${S39_FULL:-1}" = 2 ] || { [ "${S39_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }; then
@@ -523,6 +512,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s38 s39 s40 lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 lsweep gputests)" ;;
 esac
 exit 0

@@ -51,8 +51,8 @@ from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECO
                                                    combine_splits, paged_attention, split_buffers,
                                                    split_settings, split_strides)
 from megatron_tlt.rollout.triton_linear import (LinearPlanner, glu_linear, linear_into,
-                                                linear_partials, mlp_barrier, norm_linear_partials,
-                                                silu_linear_partials, _triton_ok)
+                                                linear_partials, norm_linear_partials,
+                                                silu_linear_partials)
 from megatron_tlt.rollout.triton_pdl import pdl_enter
 from megatron_tlt.rollout.weights import EngineWeights
 
@@ -265,47 +265,6 @@ restated as the noise floor: 1.002x / 1.000x): 8 MB 1.011x / 1.009x at 1.5B batc
 for the old budget)."""
 ATTN_L2_PREFETCH_FEW_ROWS: int = 1
 """The row count up to which ATTN_L2_PREFETCH_MB_FEW applies."""
-
-
-FUSED_MLP: bool = False
-"""Opt-in, and slower where timed (session 38): a one-row decode forward runs each layer's
-gate/up projection, SiLU * mul and down projection as one launch (triton_linear.mlp_barrier:
-one program per SM computes its share of SiLU(gate) * up, asks L2 for its rows of the down
-projection, meets the others at a grid barrier, then computes its output columns over the
-whole intermediate row; one float32 plane, deterministic). Meant to remove the dependent
-launch between the two projections. Other row counts (batches above 1, verify, extend)
-keep the separate kernels. Session 38 (H100, benchmarks/results/gpu_2026-12-07_session38):
-graph decode with it == eager, with PDL == without (GPU tests), but whole steps at batch 1
-ran 0.780x as fast at the 1.5B shape (0.571x-0.777x with other launch shapes) and 0.796x
-at 7B; alone (tools/mlp_microbench.py)
-it took 71.6 us against 33.4 for the separate kernels at the 1.5B shape (its first phase
-alone 38.2 us for two thirds of the bytes): one program per SM keeps too few loads in
-flight to read at the HBM's rate (the separate projections run thousands of programs).
-A variant adding each program's share of the down projection with integer atomics into a
-fixed-point row ran 0.581x / 0.280x (1.5B / 7B) and was removed. A variant running both
-phases as tl.dot over the row padded to 16 masked rows (pipelined cp.async loads; MLP_DOT)
-ran 0.416x / 0.394x of the default step at batch 1 (1.5B / 7B; 0.413x-0.642x with 4 stages
-or 4 warps) in session 39 (H100, benchmarks/results/gpu_2026-12-07_session39) and was
-removed; FUSED_MLP itself ran 0.830x / 0.826x there (1.5B / 7B, batch 1). Read at each
-forward (bench rollout --compare-attr megatron_tlt.rollout.gpu_model:FUSED_MLP=True;
-graphs recaptured)."""
-MLP_NORM_PROLOGUE: bool = True
-"""The fused MLP computes RMSNorm(residual + the output projection's planes) itself (every
-program, as norm_linear_partials); False: rms_norm first, a launch more."""
-MLP_BLOCK_K: int = 256
-"""Input columns per gate/up tile of the fused MLP."""
-MLP_WARPS: int = 8
-"""Warps of a fused MLP program (one per SM)."""
-MLP_BLOCK_I: int = 32
-"""The most intermediate columns a fused MLP program computes at a time."""
-MLP_BLOCK_KD: int = 512
-"""Intermediate columns per down-projection tile of the fused MLP."""
-
-
-def mlp_barrier_config(device: torch.device | str) -> dict:
-    """The fused MLP's launch on this device (MLP_* knobs): one program per SM."""
-    return dict(programs=num_sms(device), block_k=MLP_BLOCK_K, block_kd=MLP_BLOCK_KD,
-                num_warps=MLP_WARPS, max_block_i=MLP_BLOCK_I)
 
 
 def norm_warps(block: int) -> int:
@@ -828,25 +787,11 @@ class DecodeModel:
         by default since session 24: faster in every bench rollout configuration timed
         (1.5B and 7B shapes, batch 1/8/32, with and without PDL): 1.008-1.037x on an
         H100, 1.005-1.024x on an H200 (benchmarks/results/gpu_2026-12-05_session24)."""
-        self._barrier_table = torch.zeros(16, dtype=torch.int64, device=weights.device)
-        self._barrier_slots: dict[int, int] = {}
         self.pdl = pdl.requested() and pdl.supported(weights.device)
         """Launch this model's Triton kernels with programmatic dependent launch (pdl.py):
         on by default on a Hopper or later GPU (MEGATRON_TLT_PDL=0 turns it off); a runner's
         graphs take the setting they were captured with (release() and recapture after
         changing it)."""
-
-    def _barrier_counter(self, programs: int) -> torch.Tensor:
-        """The grid barrier counter of fused MLPs (FUSED_MLP) of `programs` programs (one per
-        launch size: each launch waits for the next multiple of its size): one int64 of
-        a table made with the model (nothing allocated here, so graph capture may ask),
-        never reset."""
-        slot = self._barrier_slots.get(programs)
-        if slot is None:
-            if len(self._barrier_slots) == self._barrier_table.numel():
-                raise RuntimeError("DecodeModel: too many fused-MLP launch sizes")
-            slot = self._barrier_slots[programs] = len(self._barrier_slots)
-        return self._barrier_table[slot:slot + 1]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear_partials(x, weight, self.planner.config(x, weight))
@@ -905,11 +850,6 @@ class DecodeModel:
         if mb and few and ATTN_L2_PREFETCH_MB_FEW is not None:
             mb = ATTN_L2_PREFETCH_MB_FEW
         prefetch = int(mb * 2 ** 20) if pdl.active() else 0
-        # one row: each layer's MLP in one launch (FUSED_MLP)
-        mlp = FUSED_MLP and input_ids.shape[0] == 1 and query_start is None and _triton_ok(w.embed)
-        if mlp:
-            mlp_cfg = mlp_barrier_config(w.embed.device)
-            counter = self._barrier_counter(mlp_cfg["programs"])
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
@@ -938,16 +878,8 @@ class DecodeModel:
                                     context_lens, scale=self.scale, num_splits=num_splits,
                                     **attn_kw)
             h = self._linear(o.view(o.shape[0], -1), lw.o_weight)
-            glu = None if mlp else plan.glu_config(residual, lw.gate_up_weight)
-            if mlp:
-                if MLP_NORM_PROLOGUE:
-                    h, residual = mlp_barrier(h, lw.gate_up_weight, lw.down_weight, counter,
-                                              residual=residual, norm_weight=lw.post_attn_norm,
-                                              eps=eps, bias=lw.o_bias, **mlp_cfg)
-                else:
-                    y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
-                    h, _ = mlp_barrier(y, lw.gate_up_weight, lw.down_weight, counter, **mlp_cfg)
-            elif glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
+            glu = plan.glu_config(residual, lw.gate_up_weight)
+            if glu is not None:  # SiLU * up stored by the gate/up projection (triton_linear._GLU)
                 y = rms_norm(h, lw.post_attn_norm, eps, residual=residual, bias=lw.o_bias)
                 h = self._linear(glu_linear(y, lw.gate_up_weight, glu), lw.down_weight)
             else:
