@@ -456,6 +456,16 @@ def test_forward_fused_rope_equals_separate(family, monkeypatch):
     assert calls == ([] if family == "qwen3" else [False] * 6 + [True] * 2)
 
 
+def _two_row_decode(monkeypatch):
+    """tiny_decode's two-row step with the fused RoPE attention: (weights, run, its logits
+    before any patch)."""
+    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
+    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
+    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
+                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
+    return w, run, run()
+
+
 @pytest.mark.parametrize("pdl_on,mb,few_rows,budget", [
     (True, 1.5, None, 3 << 19), (False, 1.5, None, 3 << 19), (True, 1.5, 2, 3 << 20),
     (True, 1.5, 1, 3 << 19), (True, 0, 2, 0)])
@@ -469,11 +479,7 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, mb, few_rows, 
     not when it is 1 or ATTN_L2_PREFETCH_MB_FEW is None; ATTN_L2_PREFETCH_MB=0 is off at
     every row count."""
     from megatron_tlt.rollout import gpu_model, pdl
-    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
-    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
-                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
-    ref = run()
+    w, run, ref = _two_row_decode(monkeypatch)
     events = []
     real_combine = gpu_model.combine_splits
     monkeypatch.setattr(gpu_model, "combine_splits",
@@ -570,11 +576,7 @@ def test_forward_prefetch_in_grid_wiring(in_grid, monkeypatch):
     l2_prefetch kernel follows it; 0: the separate kernel as before (control). Same logits
     either way."""
     from megatron_tlt.rollout import gpu_model, pdl
-    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
-    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
-                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
-    ref = run()
+    w, run, ref = _two_row_decode(monkeypatch)
     events = []
     real_attention = gpu_model.rope_attention
 
