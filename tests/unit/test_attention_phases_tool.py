@@ -17,6 +17,14 @@ from pathlib import Path
 
 import pytest
 
+import torch  # noqa: E402
+
+# This process's kernels are defined under the interpreter on a CPU-only machine, as the
+# interpreter test modules define them (Triton reads TRITON_INTERPRET when a kernel is
+# defined): imported first, this module used to leave compiled-mode kernels for the
+# interpreter tests collected after it ("0 active drivers"). The subprocesses below unset it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
