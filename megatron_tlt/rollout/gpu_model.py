@@ -269,8 +269,8 @@ ATTN_L2_PREFETCH_FEW_ROWS: int = 1
 ATTN_L2_PREFETCH_IN_GRID: int = 0
 """Decode steps ask L2 for the ATTN_L2_PREFETCH_MB(_FEW) bytes from extra programs of the
 attention kernel's own grid instead of a kernel launched after it (rope_attention's
-`prefetch`): one dependent launch fewer a layer (about 0.5-0.7 us each in session 32's
-ablation on an H100). 1: those programs wait for the QKV projection as the separate kernel
+`prefetch`): one dependent launch fewer a layer (~0.7 us per dependent launch in session
+32's ablation on an H100). 1: those programs wait for the QKV projection as the separate kernel
 does; 2: they start at once, while the projection's last loads may still be in flight.
 0 (default): the separate kernel. Untimed (session 40); the verify forward keeps the
 separate kernel. Read at each forward (bench rollout --compare-attr
