@@ -138,6 +138,11 @@ t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 # seconds left minus a reserve for what follows, at least 30 (a negative timeout is an error)
 upto() { local v=$(( $(left) - $1 )); [ "$v" -lt 30 ] && v=30; echo "$v"; }
+# issue_bench_wanted FLAG: a stage's S<N>_FULL: 2 runs the issue's benchmark on any card, 0
+# never, else (default 1) on an H200 only
+issue_bench_wanted() {
+  [ "$1" = 2 ] || { [ "$1" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }
+}
 # pytest_stage LABEL RESERVE LOG PYTEST_ARGS...: pytest under the stage's time left minus
 # RESERVE, its output in RESULTS/LOG, rc and the last lines printed
 pytest_stage() {
@@ -485,7 +490,7 @@ PYEOF
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
   s39)
     G=megatron_tlt.rollout.gpu_model
-    if [ "${S39_FULL:-1}" = 2 ] || { [ "${S39_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }; then
+    if issue_bench_wanted "${S39_FULL:-1}"; then
       issue_bench "${S39_RESERVE:-120}"
     fi
     for r in 1 2; do
@@ -495,7 +500,7 @@ PYEOF
     done ;;
   s40)
     G=megatron_tlt.rollout.gpu_model
-    if [ "${S40_FULL:-1}" = 2 ] || { [ "${S40_FULL:-1}" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }; then
+    if issue_bench_wanted "${S40_FULL:-1}"; then
       issue_bench "${S40_RESERVE:-150}"
     fi
     for r in 1 2; do

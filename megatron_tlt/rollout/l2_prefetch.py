@@ -23,9 +23,10 @@ batch 1 / 8 / 32; benchmarks/results/gpu_2026-12-06_session29): 4 MB a layer 1.0
 of the step without it (every cell at or above 1), 8 MB 0.999x-1.018x, 16 MB 0.986x-1.013x,
 32 MB 0.982x-1.000x; session 39 (same card model) 8 MB 1.011x / 1.009x of 4 MB at the 1.5B
 shape, batch 1, in two runs, hence 8 MB for one-row forwards
-(gpu_model.ATTN_L2_PREFETCH_MB_FEW) and 4 elsewhere. Hopper's bulk `cp.async.bulk.prefetch.L2` instead was slower at every
-size (2 MB 0.905x-1.002x, 8-64 MB 0.914x-1.002x): its programs stay on the step's critical
-path until the copies finish, so it was dropped.
+(gpu_model.ATTN_L2_PREFETCH_MB_FEW) and 4 elsewhere. Hopper's bulk
+`cp.async.bulk.prefetch.L2` instead was slower at every size (2 MB 0.905x-1.002x, 8-64 MB
+0.914x-1.002x): its programs stay on the step's critical path until the copies finish, so
+it was dropped.
 
 GPU only: the CPU interpreter cannot run inline PTX, and a prefetch has nothing to show
 on a CPU, so `l2_prefetch` launches nothing there (it returns 0: no bytes asked for).

@@ -78,9 +78,9 @@ def _separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits):
                            scale=kw["head_dim"] ** -0.5, num_splits=splits, **tree)
 
 
-def _fused(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits):
+def _fused(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits, prefetch=None):
     return rope_attention(qkv, pos, slots, cos, sin, kc, vc, scale=kw["head_dim"] ** -0.5,
-                          num_splits=splits, **meta, **kw)
+                          num_splits=splits, prefetch=prefetch, **meta, **kw)
 
 
 CASES = [  # (name, ctx, heads, kv heads, head_dim, page, planes, bias, new tokens)
@@ -546,11 +546,10 @@ def test_prefetch_programs_in_the_attention_grid(pf_mode, splits, budget, monkey
     assert seen == []
     for pf in (None, (first, second, 0, pf_mode)):
         k0, v0 = kc.clone(), vc.clone()
-        out = rope_attention(qkv, pos, slots, cos, sin, k0, v0, scale=kw["head_dim"] ** -0.5,
-                             num_splits=splits, prefetch=pf, **meta, **kw)
+        out = _fused(qkv, pos, slots, cos, sin, k0, v0, meta, kw, splits, pf)
         assert torch.equal(out, ref) and seen == []
-    out = rope_attention(qkv, pos, slots, cos, sin, k2, v2, scale=kw["head_dim"] ** -0.5,
-                         num_splits=splits, prefetch=(first, second, budget, pf_mode), **meta, **kw)
+    out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits,
+                 (first, second, budget, pf_mode))
     assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
     na = min(budget, 307200)
     nb = budget - na
