@@ -29,9 +29,11 @@ What is measured, per model shape and batch size B:
   write bytes counted: 2 x size / time) and a read-only reduction (torch.sum: size /
   time). The roofline uses the HIGHER of the two (the stricter roofline); both are
   reported. `of_roofline` = roofline_ms / decode_ms.
-- HF: `transformers` `generate` with `cache_implementation="static"`, greedy, compile
-  disabled, the SAME weights copied into a model built from the config on the device,
-  the same prompts; ms/step by the same differencing.
+- HF: `transformers` `generate` with `cache_implementation="static"`, greedy, in each of
+  `--hf-modes` (compiled: generate's own torch.compile of the decode step, its default on
+  CUDA; eager: `disable_compile=True`), the SAME weights copied into a model built from
+  the config on the device, the same prompts; ms/step by the same differencing. The
+  faster mode is the baseline (`hf_ms_per_step`, `hf_mode`).
 """
 
 from __future__ import annotations
