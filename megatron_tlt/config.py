@@ -410,6 +410,12 @@ class RolloutConfig(ConfigSection):
         super().__post_init__()
         self._check_min("max_new_tokens", 1)
         self._check_min("temperature", 0.0)
+        from megatron_tlt.rollout.sampling import MIN_TEMPERATURE
+        self._check(
+            not 0.0 < self.temperature < MIN_TEMPERATURE,
+            f"{self._key('temperature')} must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+            f"got {self.temperature!r}",
+        )
         self._check(
             0.0 < self.top_p <= 1.0, f"{self._key('top_p')} must be in (0, 1], got {self.top_p!r}"
         )

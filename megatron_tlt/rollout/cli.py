@@ -94,11 +94,15 @@ def read_prompts(path: str) -> list[tuple[int, dict]]:
     if not os.path.isfile(path):
         raise TLTError(f"--prompts file not found: {path}")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise TLTError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -171,6 +175,11 @@ def main(args: argparse.Namespace) -> int:
     n = args.n
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
+    for flag, default in (("block_size", 16), ("max_num_seqs", 64), ("num_blocks", None),
+                          ("max_model_len", None)):
+        value = _arg(args, flag, default)
+        if value is not None and value < 1:
+            raise TLTError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens,
                             min_new_tokens=_arg(args, "min_new_tokens", 0),
@@ -191,7 +200,8 @@ def main(args: argparse.Namespace) -> int:
     if params.stop_strings and tokenizer is None:
         raise TLTError(f"--stop needs a tokenizer, and none could be loaded from {args.model}")
 
-    requests, slots = [], []  # slots: (request index or None, error line)
+    # slots, one per output line: (index into requests, line number) or (None, error record)
+    requests, slots = [], []
     for lineno, rec in records:
         pid = rec["prompt_id"]
         ids = rec.get("prompt_token_ids")
@@ -200,10 +210,11 @@ def main(args: argparse.Namespace) -> int:
         try:
             reqs = expand_requests(pid, ids, params, rec.get("n", n))
         except TLTError as e:
-            slots.append((None, {"prompt_id": pid, "error": f"{args.prompts}:{lineno}: {e}"}))
+            slots.append((None, {"prompt_id": pid, "sample_index": None,
+                                 "error": f"{args.prompts}:{lineno}: {e}"}))
             continue
         for r in reqs:
-            slots.append((len(requests), None))
+            slots.append((len(requests), lineno))
             requests.append(r)
 
     max_model_len = _arg(args, "max_model_len", None) or arch.max_position_embeddings
@@ -225,6 +236,28 @@ def main(args: argparse.Namespace) -> int:
     if policy is not None:
         engine.spec_decoder = _spec_decoder(args, spec, policy, arch, weights)
 
+    # Rejected here rather than by generate(), which cannot name the line.
+    valid, seen = [], {}
+    for k, (idx, lineno) in enumerate(slots):
+        if idx is None:
+            continue
+        r = requests[idx]
+        key = (str(r.prompt_id), r.sample_index)
+        try:
+            engine.check_request(r)
+            if key in seen:
+                raise TLTError(f"same prompt_id and sample_index as line {seen[key]} (both would "
+                               f"sample identical tokens)")
+        except TLTError as e:
+            slots[k] = (None, {"prompt_id": r.prompt_id, "sample_index": r.sample_index,
+                               "error": f"{args.prompts}:{lineno}: prompt {r.prompt_id!r} sample "
+                                        f"{r.sample_index}: {e}"})
+            continue
+        seen[key] = lineno
+        slots[k] = (len(valid), lineno)
+        valid.append(r)
+    requests = valid
+
     bar = tqdm(total=len(requests), unit="req", desc="generate", dynamic_ncols=True)
 
     def on_progress(p):
@@ -240,11 +273,11 @@ def main(args: argparse.Namespace) -> int:
     num_errors = 0
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        for idx, err in slots:
+        for idx, at in slots:
             if idx is None:
-                line = {"prompt_id": err["prompt_id"], "sample_index": None, "token_ids": [],
+                line = {"prompt_id": at["prompt_id"], "sample_index": at["sample_index"], "token_ids": [],
                         "text": None, "logprobs": None, "finish_reason": "error", "stop_reason": None,
-                        "policy_version": engine.policy_version, "spec": {}, "error": err["error"]}
+                        "policy_version": engine.policy_version, "spec": {}, "error": at["error"]}
             else:
                 r = results[idx]
                 text = None
@@ -254,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
                         "token_ids": r.token_ids, "text": text, "logprobs": r.logprobs,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
                         "policy_version": r.policy_version, "spec": dict(r.spec_stats),
-                        "error": r.error}
+                        "error": None if r.error is None else f"{args.prompts}:{at}: {r.error}"}
             if line["error"] is not None:
                 num_errors += 1
                 print(f"warning: {line['error']}", file=sys.stderr)

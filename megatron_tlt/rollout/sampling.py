@@ -48,13 +48,20 @@ import torch
 from megatron_tlt.errors import TLTError
 
 
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature above 0 that SamplingParams.check accepts: logits / T must stay
+finite in float32 (at 1e-38 the largest logit overflowed to inf, log_softmax gave NaN and
+argmax picked token 0). Below it use 0 (greedy); a tiny T is rejected, not silently taken
+as greedy, as the two differ where logits tie."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """Per-request sampling settings. Checked by `check()` when the engine admits the
     request (not on construction), so one bad request is rejected alone."""
 
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 = greedy; else at least MIN_TEMPERATURE."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 or -1 disables."""
     top_p: float = 1.0
@@ -73,6 +80,8 @@ class SamplingParams:
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise TLTError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise TLTError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise TLTError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
         p = self.top_p
@@ -83,6 +92,9 @@ class SamplingParams:
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise TLTError(f"min_new_tokens must be an integer in [0, max_new_tokens="
                            f"{self.max_new_tokens}], got {self.min_new_tokens!r}")
+        for name in ("stop_token_ids", "stop_strings"):
+            if not isinstance(getattr(self, name), (tuple, list)):
+                raise TLTError(f"{name} must be a tuple or list, got {getattr(self, name)!r}")
         for tok in self.stop_token_ids:
             if not _is_int(tok) or not 0 <= tok < vocab_size:
                 raise TLTError(f"stop token id {tok!r} is outside the vocabulary [0, {vocab_size})")
@@ -202,6 +214,29 @@ class SampleOutput:
     processed_logprobs: torch.Tensor  # [B] float32, under the distribution sampled from
 
 
+def top_k_top_p_keep(scaled: torch.Tensor,  # [..., vocab] float32: logits / T (ban applied)
+                     top_k: torch.Tensor,  # [...] int64, <= 0 disables
+                     top_p: torch.Tensor,  # [...] float32, >= 1 disables
+                     ) -> torch.Tensor:  # [..., vocab] bool: the tokens that may be sampled
+    """The tokens top-k then top-p keep, by rank in the stable descending order of
+    `scaled` (equal values: lowest id first): the k first, then of those the ones whose
+    mass before them (float32 cumulative sum of the top-k-renormalised distribution) is
+    below top_p. Exactly min(k, vocab) tokens pass top-k whatever ties there are at the
+    boundary. The one rule for the sampler (`sample`) and for speculative decoding's
+    target and draft distributions (spec.sampling_ref.process_logits): bf16 logits tie
+    often at a top-k or top-p boundary, so a rule that kept ties would sample another
+    distribution there."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    keep = rank < k.unsqueeze(-1)
+    probs_sorted = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    keep &= (mass_before < top_p.unsqueeze(-1)) | (top_p.unsqueeze(-1) >= 1)
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
 def sample(logits: torch.Tensor,  # [B, vocab] float32
            temperature: torch.Tensor,  # [B] float32, 0 = greedy
            top_k: torch.Tensor | None,  # [B] int64, <= 0 disables
@@ -225,15 +260,7 @@ def sample(logits: torch.Tensor,  # [B, vocab] float32
     needs_filter = (top_k is not None
                     and bool(((top_k > 0) & (top_k < vocab)).any() | (top_p < 1).any()))
     if needs_filter:
-        sorted_logits, order = torch.sort(proc, dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device)[None, :]
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-        keep = rank < k[:, None]
-        probs_sorted = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
-        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
-        keep_vocab = torch.zeros_like(keep).scatter_(1, order, keep)
-        proc = proc.masked_fill(~keep_vocab, float("-inf"))
+        proc = proc.masked_fill(~top_k_top_p_keep(proc, top_k, top_p), float("-inf"))
     # Without a ban or a filter proc is scaled itself: its log_softmax is logprobs_all (the
     # same op on the same tensor, the same bits), not a second pass over [B, vocab].
     proc_logprobs = logprobs_all if proc is scaled else torch.log_softmax(proc, dim=-1)
@@ -333,20 +360,30 @@ class StopChecker:
             if token_ids[-1] in self.stop_ids:
                 return "stop", token_ids[-1]
             if self.params.stop_strings:  # no tail slice per token without stop strings
-                hit = self._stop_string(token_ids[max(prompt_len, len(token_ids) - (self.max_stop_len + 8)):])
+                hit = self._stop_string(token_ids, prompt_len)
                 if hit is not None:
                     return "stop", hit
         if n >= self.params.max_new_tokens or max_len_reached:
             return "length", None
         return None, None
 
-    def _stop_string(self, tail: list[int]) -> str | None:
-        """`tail`: the newest output tokens, enough to cover the longest stop string even
-        when tokens decode to one character (or none: partial UTF-8 pieces), plus slack."""
-        text = self.detokenize(tail)
-        prev = self.detokenize(tail[:-1]) if len(tail) > 1 else ""
-        fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token
-        for s in self.params.stop_strings:
-            if s in text[max(0, fresh - len(s) + 1):]:
-                return s
-        return None
+    def _stop_string(self, token_ids: list[int], prompt_len: int) -> str | None:
+        """The stop string the newest token completes, if any. Decodes a tail of the output
+        of max_stop_len + 8 tokens, doubled while the text before the newest token is too
+        short to hold the start of the longest stop string (tokens of one byte of a
+        multi-byte character, or special tokens that decode to nothing) and output is left."""
+        start_max = len(token_ids) - 1
+        k = self.max_stop_len + 8
+        while True:
+            start = max(prompt_len, len(token_ids) - k)
+            text = self.detokenize(token_ids[start:])
+            prev = self.detokenize(token_ids[start:start_max]) if start < start_max else ""
+            fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token
+            for s in self.params.stop_strings:
+                if s in text[max(0, fresh - len(s) + 1):]:
+                    return s
+            # slack of 4 characters: a character cut at the tail's start may decode to
+            # replacement characters that are not the output's text
+            if start == prompt_len or len(prev) >= self.max_stop_len - 1 + 4:
+                return None
+            k *= 2

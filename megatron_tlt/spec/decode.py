@@ -24,10 +24,10 @@ Lossless and reproducible:
 - target_probs rows are the target's logits with the min_new_tokens ban (stop ids ->
   -inf for output positions below min_new_tokens), processed by
   sampling_ref.process_logits with the request's temperature/top-k/top-p — the same
-  function the drafter's proposals go through. (It resolves exact ties at the top-k/top-p
-  boundary by value where the plain sampler resolves them by id: a measure-zero difference
-  for real-valued logits.) Greedy verification takes the banned logits themselves, so
-  greedy SD emits exactly the plain decode's tokens.
+  function the drafter's proposals go through, with the plain sampler's top-k / top-p
+  rule (rollout.sampling.top_k_top_p_keep: ties at the boundary keep the lowest ids), so
+  the verified distribution is the one plain decoding samples from. Greedy verification
+  takes the banned logits themselves, so greedy SD emits exactly the plain decode's tokens.
 - logprobs follow the engine's definition (sampling.py): log_softmax(logits / T) at the
   node the emitted token was verified at (T = 1 for greedy); processed_logprobs are
   log target_probs (0.0 for greedy).

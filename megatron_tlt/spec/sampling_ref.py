@@ -8,14 +8,16 @@ difference is a bug the losslessness tests are built to catch.
 
 Order: logits / temperature -> top-k (on logits) -> softmax -> top-p -> renormalise.
 
-Ties are resolved by value, never by position, so the kept set does not depend on how a
-sort orders equal values:
-- top-k keeps every token whose logit is >= the k-th largest logit: ties at the boundary
-  are all kept (more than k tokens may survive).
-- top-p keeps every token v whose probability is >= the cutoff c, where c is the
-  smallest probability such that the tokens with probability >= c carry at least top_p
-  of the mass (the shortest prefix of the descending order reaching top_p, then every
-  token tied with its last element). The most likely token is always kept.
+top-k and top-p are the engine sampler's (rollout.sampling.top_k_top_p_keep, one function
+for both), so speculative decoding verifies against the distribution plain decoding
+samples from:
+- ties are resolved by position: in the stable descending order of logits / T (equal
+  values: lowest id first), top-k keeps exactly the k first tokens;
+- top-p keeps, of those, the tokens whose mass before them (float32 cumulative sum of the
+  top-k-renormalised distribution) is below top_p: the shortest prefix of that order
+  reaching top_p. The most likely token is always kept.
+  (Until session 41 both kept every token tied with the boundary, by value: bf16 logits
+  tie there often, and the verified distribution then was not the sampler's.)
 - temperature 0 means greedy: a one-hot distribution on the argmax (ties -> lowest id,
   NaN never wins); top-k/top-p do not matter then.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_tlt.rollout.sampling import top_k_top_p_keep
 from megatron_tlt.spec.verify_ref import greedy_argmax, race
 
 Param = float | int | torch.Tensor
@@ -77,25 +80,13 @@ def process_logits(
     greedy = temp == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temp).unsqueeze(-1)
 
-    # top-k on logits, ties at the boundary kept. Skipped (the sort is the cost on a
-    # 152k vocabulary) when top_k is a plain number that disables it: k = vocab keeps all.
-    if isinstance(top_k, torch.Tensor) or 0 < top_k < vocab:
-        k = torch.where((k <= 0) | (k >= vocab), vocab, k)
-        sorted_logits = scaled.sort(-1, descending=True).values
-        kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    # top-k then top-p: the sampler's own rule (rollout.sampling.top_k_top_p_keep). Skipped
+    # (the sort is the cost on a 152k vocabulary) when both are plain numbers that disable
+    # them; the renormalisation is not, so both routes give the same numbers.
+    if (isinstance(top_k, torch.Tensor) or 0 < top_k < vocab
+            or isinstance(top_p, torch.Tensor) or top_p < 1):
+        scaled = scaled.masked_fill(~top_k_top_p_keep(scaled, k, p), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-
-    # top-p by value: cutoff = the probability at which the descending cumsum reaches p.
-    # Skipped when top_p is a plain number >= 1 (keeps all); the renormalisation is not,
-    # so both routes give the same numbers.
-    if isinstance(top_p, torch.Tensor) or top_p < 1:
-        sorted_probs = probs.sort(-1, descending=True).values
-        cumulative = sorted_probs.double().cumsum(-1)
-        position = (cumulative < p.double().unsqueeze(-1)).sum(-1, keepdim=True).clamp(max=vocab - 1)
-        cutoff = sorted_probs.gather(-1, position)
-        keep = (probs >= cutoff) | (p >= 1).unsqueeze(-1)
-        probs = torch.where(keep, probs, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
 
     if not isinstance(temperature, torch.Tensor) and temperature > 0:

@@ -31,7 +31,9 @@ def _args(model_dir, prompts_path, out, *extra):
 
 
 def _write(path, lines):
-    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    """One line per item: str and bytes as they are, anything else as JSON."""
+    path.write_bytes(b"\n".join(l if isinstance(l, bytes) else (l if isinstance(l, str) else json.dumps(l)).encode()
+                                for l in lines) + b"\n")
     return path
 
 
@@ -42,6 +44,8 @@ def test_generate_jsonl(model_dir, tmp_path):
         {"prompt_token_ids": [3, 4, 5, 6]},
         {"prompt_id": "bad", "prompt_token_ids": [3, 400]},
         {"prompt_id": "none", "prompt": "w9", "n": 0},
+        {"prompt_id": "empty", "prompt_token_ids": []},
+        {"prompt_id": "a", "prompt": "w8"},  # same prompt_id as line 1
     ])
     out = tmp_path / "out.jsonl"
     rc = main(_args(model_dir, prompts, out, "--n", "2", "--temperature", "0.8", "--top-p", "0.9",
@@ -49,7 +53,8 @@ def test_generate_jsonl(model_dir, tmp_path):
     assert rc == 1  # rejected lines
     lines = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(l["prompt_id"], l["sample_index"]) for l in lines] == [
-        ("a", 0), ("a", 1), (1, 0), (1, 1), ("bad", 0), ("bad", 1), ("none", None)]
+        ("a", 0), ("a", 1), (1, 0), (1, 1), ("bad", 0), ("bad", 1), ("none", None), ("empty", 0),
+        ("empty", 1), ("a", 0), ("a", 1)]
     for l in lines[:4]:
         assert l["error"] is None and l["finish_reason"] in ("stop", "length")
         assert len(l["token_ids"]) == len(l["logprobs"]) and 1 <= len(l["token_ids"]) <= 6
@@ -57,8 +62,16 @@ def test_generate_jsonl(model_dir, tmp_path):
         if l["finish_reason"] == "stop":
             assert l["token_ids"][-1] == 1  # tokenizer eos
     assert lines[0]["token_ids"] != lines[1]["token_ids"]
-    assert "outside the vocabulary" in lines[4]["error"] and lines[4]["finish_reason"] == "error"
+    # every rejected request names its line (the engine's own message named its position
+    # among the expanded requests instead)
+    assert lines[4]["error"].endswith("p.jsonl:4: prompt 'bad' sample 0: prompt token id 400 at index 1 "
+                                      "is outside the vocabulary [0, 300)")
+    assert lines[4]["finish_reason"] == "error" and "p.jsonl:4: prompt 'bad' sample 1:" in lines[5]["error"]
     assert "p.jsonl:5: prompt 'none': number of samples n must be" in lines[6]["error"]
+    assert lines[7]["error"].endswith("p.jsonl:6: prompt 'empty' sample 0: prompt is empty (no prompt tokens)")
+    assert lines[9]["error"].endswith("p.jsonl:7: prompt 'a' sample 0: same prompt_id and sample_index as "
+                                      "line 1 (both would sample identical tokens)")
+    assert all(l["token_ids"] == [] and l["finish_reason"] == "error" for l in lines[4:])
     # Same seed -> identical file.
     out2 = tmp_path / "out2.jsonl"
     main(_args(model_dir, prompts, out2, "--n", "2", "--temperature", "0.8", "--top-p", "0.9",
@@ -86,6 +99,11 @@ def test_greedy_text_matches_tokens(model_dir, tmp_path):
     (['{"prompt": "w1"}'], ["--drafter", "/x"], "--drafter needs --spec eagle"),
     (['{"prompt": "w1"}'], ["--spec", "ngram", "--spec-depth", "0"], "--spec flags: spec depth must be"),
     (['{"prompt": "w1"}'], ["--top-p", "1.5"], r"sampling flags: top_p must be in \(0, 1\]"),
+    (['{"prompt": "w1"}'], ["--temperature", "1e-40"], r"sampling flags: temperature must be 0 \(greedy\)"),
+    (['{"prompt": "w1"}'], ["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (['{"prompt": "w1"}'], ["--num-blocks", "0"], "--num-blocks must be >= 1, got 0"),
+    (['{"prompt": "w1"}'], ["--max-num-seqs", "-2"], "--max-num-seqs must be >= 1, got -2"),
+    (['{"prompt": "w1"}', b'{"prompt": "w\xff"}'], [], r"p\.jsonl:2: not valid UTF-8 \(byte 14 of the line\)"),
 ])
 def test_bad_input_is_one_clear_error(model_dir, tmp_path, content, flags, message):
     prompts = _write(tmp_path / "p.jsonl", content)

@@ -19,12 +19,22 @@ BAD = {
     "too_long": (dict(prompt_token_ids=[1] * 30, sampling_params=SamplingParams(max_new_tokens=11)),
                  "prompt length 30 \\+ max_new_tokens 11 = 41 exceeds max_model_len 40"),
     "temperature": (dict(sampling_params=SamplingParams(temperature=-1.0)), "temperature must be"),
+    # logits / 1e-38 overflowed float32: NaN logprobs and token 0, unrejected
+    "tiny_temperature": (dict(sampling_params=SamplingParams(temperature=1e-38)),
+                         r"temperature must be 0 \(greedy\) or at least 1e-05, got 1e-38"),
     "top_p": (dict(sampling_params=SamplingParams(top_p=0.0)), r"top_p must be in \(0, 1\]"),
     "top_k": (dict(sampling_params=SamplingParams(top_k=-5)), "top_k must be"),
     "max_new": (dict(sampling_params=SamplingParams(max_new_tokens=0)), "max_new_tokens must be"),
     "min_new": (dict(sampling_params=SamplingParams(min_new_tokens=20, max_new_tokens=5)), "min_new_tokens must be"),
     "stop_id": (dict(sampling_params=SamplingParams(stop_token_ids=(999,))), "stop token id 999"),
     "stop_str": (dict(sampling_params=SamplingParams(stop_strings=("x",))), "stop_strings need a tokenizer"),
+    # these raised TypeError out of generate(), taking the whole batch down
+    "stop_ids_none": (dict(sampling_params=SamplingParams(stop_token_ids=None)),
+                      "stop_token_ids must be a tuple or list, got None"),
+    "stop_ids_int": (dict(sampling_params=SamplingParams(stop_token_ids=2)),
+                     "stop_token_ids must be a tuple or list, got 2"),
+    "stop_strings_str": (dict(sampling_params=SamplingParams(stop_strings="###")),  # not 3 strings
+                         "stop_strings must be a tuple or list, got '###'"),
     "sample_index": (dict(sample_index=-1), "sample_index must be"),
     "hidden": (dict(return_hidden_states="everything"), "return_hidden_states must be"),
 }

@@ -7,8 +7,8 @@ from rollout_testutil import make_engine, prompts
 from megatron_tlt.rollout import Request, SamplingParams
 import math
 
-from megatron_tlt.rollout.sampling import (NoiseStream, exponential_noise, make_noise_stream, noise_bits,
-                                           request_seed, sample, uniform_noise)
+from megatron_tlt.rollout.sampling import (NoiseStream, StopChecker, exponential_noise, make_noise_stream,
+                                           noise_bits, request_seed, sample, uniform_noise)
 
 # chi-square critical value, 4 degrees of freedom, alpha = 1e-4 (scipy.stats.chi2.ppf(0.9999, 4)).
 CHI2_DF4_1E4 = 23.5127
@@ -219,6 +219,47 @@ def test_stop_strings(greedy_base):
     assert (r.token_ids, r.finish_reason, r.stop_reason) == (base[:6], "stop", spanning)
     r = _run(model_dir, p, detok=detok, stop_strings=(spanning,), min_new_tokens=7)
     assert r.finish_reason == "length"
+
+
+def _byte_detok(ids):
+    """Byte-level detokenizer: ids < 256 are bytes, 300 a special token that decodes to ""."""
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _first_stop(checker, ids, prompt_len):
+    """(index of the output token that first finished the request, stop_reason)."""
+    for i in range(prompt_len + 1, len(ids) + 1):
+        reason, stop = checker.check(ids[:i], prompt_len, False)
+        if reason is not None:
+            return i - prompt_len - 1, reason, stop
+    return None, None, None
+
+
+@pytest.mark.parametrize("case", ["emoji_bytes", "empty_specials"])
+def test_stop_string_spanning_many_tokens(case):
+    """A stop string longer in tokens than max_stop_len + 8 is still found, at the token that
+    completes it: byte-level tokens of 4-byte characters (3 characters, 12 tokens) and a
+    string split by 20 special tokens that decode to nothing. The old fixed window of
+    max_stop_len + 8 tokens missed both (both ran to 'length')."""
+    prompt = list("p: ".encode())
+    if case == "emoji_bytes":
+        stop = "\U0001F600" * 3
+        out = list(b"aaaaaaaa") + list(stop.encode()) + list(b"aaaaaaa")
+        want = 8 + 12 - 1
+    else:
+        stop = "abc"
+        out = list(b"xxa") + [300] * 20 + list(b"bcxx")
+        want = 2 + 20 + 2
+    params = SamplingParams(max_new_tokens=len(out), stop_strings=(stop, "zq"))
+    checker = StopChecker(params, [], _byte_detok)
+    assert _first_stop(checker, prompt + out, len(prompt)) == (want, "stop", stop)
+    # negative controls: the same output without the stop string's last byte, and the stop
+    # string in the prompt only, never stop early
+    cut = out[:want] + list(b"zz")
+    assert _first_stop(checker, prompt + cut, len(prompt)) == (None, None, None)
+    params_p = SamplingParams(max_new_tokens=8, stop_strings=("p:",))
+    assert _first_stop(StopChecker(params_p, [], _byte_detok), prompt + list(b"qqqq"), len(prompt)) == (
+        None, None, None)
 
 
 def _sample_two_passes(logits, temperature, noise, banned=None):

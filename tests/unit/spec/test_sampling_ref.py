@@ -1,4 +1,4 @@
-"""Logit processing (temperature, top-k, top-p) and its documented tie rules."""
+"""Logit processing (temperature, top-k, top-p) and its documented tie rules (the sampler's)."""
 
 from __future__ import annotations
 
@@ -22,22 +22,73 @@ def test_temperature_only_is_a_tempered_softmax():
         torch.testing.assert_close(got, torch.softmax(logits / t, -1))
 
 
-def test_top_k_keeps_k_and_every_tie_at_the_boundary():
+def test_top_k_keeps_exactly_k_lowest_ids_on_ties():
     logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 0.5])
     kept = process_logits(logits, top_k=2) > 0
-    assert kept.tolist() == [True, True, True, False, False]  # the tie at rank 2 is kept
+    assert kept.tolist() == [True, True, False, False, False]  # the tie at rank 2: lowest id
     kept = process_logits(logits, top_k=4) > 0
     assert kept.tolist() == [True, True, True, True, False]
+    tie_first = torch.tensor([2.0, 3.0, 2.0, 1.0, 0.5])
+    assert (process_logits(tie_first, top_k=2) > 0).tolist() == [True, True, False, False, False]
     for disabled in (0, 5, 100):
         assert bool((process_logits(logits, top_k=disabled) > 0).all())
 
 
-def test_top_p_keeps_the_shortest_prefix_and_its_ties():
+def test_top_p_keeps_the_shortest_prefix_lowest_ids_on_ties():
     logits = logits_of(0.5, 0.2, 0.2, 0.1)
     assert (process_logits(logits, top_p=0.45) > 0).tolist() == [True, False, False, False]
-    assert (process_logits(logits, top_p=0.55) > 0).tolist() == [True, True, True, False]  # tie kept
+    assert (process_logits(logits, top_p=0.55) > 0).tolist() == [True, True, False, False]
     assert (process_logits(logits, top_p=0.95) > 0).tolist() == [True, True, True, True]
-    torch.testing.assert_close(process_logits(logits, top_p=0.55), torch.tensor([5 / 9, 2 / 9, 2 / 9, 0.0]))
+    torch.testing.assert_close(process_logits(logits, top_p=0.55), torch.tensor([5 / 7, 2 / 7, 0.0, 0.0]))
+
+
+def _engine_distribution(logits, temperature, top_k, top_p):
+    """The distribution rollout.sampling.sample draws from, read off the sampler itself:
+    per (row, token v) a race whose noise favours v alone (E_v = 1e-30, others 1e30) picks
+    v exactly when v may be sampled, and reports log p(v) as processed_logprobs."""
+    from megatron_tlt.rollout.sampling import sample
+    b, v = logits.shape
+    rows = logits.repeat_interleave(v, 0)
+    noise = torch.full((b * v, v), 1e30)
+    noise[torch.arange(b * v), torch.arange(v).repeat(b)] = 1e-30
+    out = sample(rows, temperature.repeat_interleave(v), top_k.repeat_interleave(v),
+                 top_p.repeat_interleave(v), noise)
+    hit = (out.token_ids == torch.arange(v).repeat(b)).view(b, v)
+    return torch.where(hit, out.processed_logprobs.view(b, v).exp(), 0.0)
+
+
+def _tie_keeping_support(logits, top_k, top_p):
+    """The rule before session 41 (every token tied with the boundary kept, by value)."""
+    kth = logits.sort(-1, descending=True).values.gather(-1, (top_k - 1).clamp(min=0)[:, None])
+    x = torch.where((top_k[:, None] > 0) & (logits < kth), float("-inf"), logits)
+    probs = torch.softmax(x, -1)
+    sp = probs.sort(-1, descending=True).values
+    pos = (sp.double().cumsum(-1) < top_p[:, None].double()).sum(-1, keepdim=True).clamp(max=logits.shape[1] - 1)
+    return (probs > 0) & ((probs >= sp.gather(-1, pos)) | (top_p[:, None] >= 1))
+
+
+def test_target_distribution_is_the_samplers_on_boundary_ties():
+    """process_logits (speculative decoding's target and draft rule) equals the distribution
+    the engine's sampler draws from, support exactly (torch.equal) and probabilities to
+    float32 rounding, on logits with ties at the top-k / top-p boundary: a 0.25 grid over
+    48 tokens (bf16 logits of a 152k vocabulary tie there as often: bf16 keeps 8 bits).
+    Control: the rule process_logits had before session 41 (ties kept by value,
+    `_tie_keeping_support`, equal to it on these rows) keeps another support on 10 of them."""
+    gen = torch.Generator().manual_seed(7)
+    b, v = 64, 48
+    logits = (torch.randn(b, v, generator=gen) * 8).round() / 4
+    temperature = torch.full((b,), 0.8)
+    top_k = torch.randint(1, 12, (b,), generator=gen)
+    top_p = torch.rand(b, generator=gen) * 0.6 + 0.3
+    top_p[::4] = 1.0  # top-k alone
+    top_k[1::4] = 0  # top-p alone
+    want = _engine_distribution(logits, temperature, top_k, top_p)
+    got = process_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    old = _tie_keeping_support(logits / 0.8, top_k, top_p)
+    differ = int((old != (want > 0)).any(-1).sum())
+    assert differ >= 5, f"only {differ} rows with a boundary tie: the control has no power"
 
 
 def test_order_is_temperature_then_top_k_then_top_p():
