@@ -110,13 +110,19 @@
 #             = None (4 MB, the budget before session 39) / 12 / 16 MB and the default
 #             restated (8, the noise floor), twice (~1.5 min)
 #   s40       on an H200 the issue's benchmark first (S40_FULL=0 skips it, =2 runs it on any
-#             card); then bench rollout at batch 1 / 32, twice, against the attention's L2
-#             prefetch as programs of its own grid (gpu_model.ATTN_L2_PREFETCH_IN_GRID = 1 /
-#             2), the projections' own L2 prefetch before their PDL wait
-#             (MEGATRON_TLT_PDL_PREFETCH_MB=32: 1.036x at 1.5B batch 1 on session 24's H200,
-#             0.91x-1.00x on session 26's H100), 16 KB of weight tiles loaded before it
-#             (MEGATRON_TLT_PDL_PRELOAD_KB=16) and a 16 MB one-row attention prefetch
-#             (ATTN_L2_PREFETCH_MB_FEW=16) (~3 min)
+#             card); then bench rollout at batch 1 / 32, twice, against the projections'
+#             own L2 prefetch before their PDL wait (MEGATRON_TLT_PDL_PREFETCH_MB=32 and 8:
+#             1.036x at 1.5B batch 1 on session 24's H200, 0.91x-1.00x on session 26's H100),
+#             16 KB of weight tiles loaded before it (MEGATRON_TLT_PDL_PRELOAD_KB=16) and
+#             the one-row attention prefetch budget ATTN_L2_PREFETCH_MB_FEW = 16 / None
+#             (4 MB) (~2 min)
+#   s41       on an H200 the issue's benchmark first (S41_FULL as S40_FULL); then bench
+#             rollout at batch 1 / 32, twice, against what the H200's faster HBM may tip:
+#             MEGATRON_TLT_PDL_PREFETCH_MB=32 (1.036x on session 24's H200, 0.971x on
+#             session 41's H100), the GLU epilogue where the planner times it faster
+#             (triton_linear._GLU=1: one launch fewer a layer; 0.924x-1.004x on session
+#             33's H100), a 16 MB one-row attention prefetch and an 8 MB one at every batch
+#             (gpu_model.ATTN_L2_PREFETCH_MB=8) (~2.5 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -504,9 +510,19 @@ PYEOF
       issue_bench "${S40_RESERVE:-150}"
     fi
     for r in 1 2; do
-      ab_bench "s40_$r" 5 --batch-sizes 1,32 --compare-attr "$G:ATTN_L2_PREFETCH_IN_GRID=1" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_IN_GRID=2" --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" \
-          --compare-attr "env:MEGATRON_TLT_PDL_PRELOAD_KB=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16"
+      ab_bench "s40_$r" 5 --batch-sizes 1,32 --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" \
+          --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=8" --compare-attr "env:MEGATRON_TLT_PDL_PRELOAD_KB=16" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None"
+    done ;;
+  s41)
+    G=megatron_tlt.rollout.gpu_model
+    if issue_bench_wanted "${S41_FULL:-1}"; then
+      issue_bench "${S41_RESERVE:-150}"
+    fi
+    for r in 1 2; do
+      ab_bench "s41_$r" 5 --batch-sizes 1,32 --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" \
+          --compare-attr "megatron_tlt.rollout.triton_linear:_GLU=1" \
+          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8"
     done ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
@@ -519,6 +535,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 s41 lsweep gputests)" ;;
 esac
 exit 0

@@ -43,8 +43,7 @@ import triton.language as tl
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout import pdl
 from megatron_tlt.rollout.kv_cache import PagedKVCache
-from megatron_tlt.rollout.l2_prefetch import (BLOCK as PF_BLOCK, LINE as PF_LINE, l2_prefetch,
-                                               prefetch_lines, prefetch_programs, prefetch_ranges)
+from megatron_tlt.rollout.l2_prefetch import l2_prefetch
 from megatron_tlt.rollout.triton_attention import (LOG2E, MAX_BLOCK_M, MODE_DECODE,
                                                    MODE_TREE, _attend, _finish, _kv_pages, _load_kv,
                                                    _n_merge, _program, _query_rows, _split_range,
@@ -266,15 +265,6 @@ restated as the noise floor: 1.002x / 1.000x): 8 MB 1.011x / 1.009x at 1.5B batc
 for the old budget)."""
 ATTN_L2_PREFETCH_FEW_ROWS: int = 1
 """The row count up to which ATTN_L2_PREFETCH_MB_FEW applies."""
-ATTN_L2_PREFETCH_IN_GRID: int = 0
-"""Decode steps ask L2 for the ATTN_L2_PREFETCH_MB(_FEW) bytes from extra programs of the
-attention kernel's own grid instead of a kernel launched after it (rope_attention's
-`prefetch`): one dependent launch fewer a layer (~0.7 us per dependent launch in session
-32's ablation on an H100). 1: those programs wait for the QKV projection as the separate kernel
-does; 2: they start at once, while the projection's last loads may still be in flight.
-0 (default): the separate kernel. Untimed (session 40); the verify forward keeps the
-separate kernel. Read at each forward (bench rollout --compare-attr
-megatron_tlt.rollout.gpu_model:ATTN_L2_PREFETCH_IN_GRID=1; graphs recaptured)."""
 
 
 def norm_warps(block: int) -> int:
@@ -467,7 +457,7 @@ def _rope_attention_kernel(
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_btb, stride_ctx, stride_tmb, stride_tmi, stride_ot, stride_oh,
         stride_pot, stride_poh, stride_pos_s, stride_pmt, stride_pmh,
-        scale_log2, num_splits, pf_a_ptr, pf_na, pf_b_ptr, pf_nb, n_seqs,
+        scale_log2, num_splits,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
@@ -475,8 +465,7 @@ def _rope_attention_kernel(
         WB: tl.constexpr = 16, MERGE: tl.constexpr = False, MIN_TILES: tl.constexpr = 1,
         PAGES_AHEAD: tl.constexpr = False, WRITE_FIRST: tl.constexpr = 0,
         OFF32: tl.constexpr = False, SAME_STRIDES: tl.constexpr = False,
-        PF: tl.constexpr = 0, PF_LINE: tl.constexpr = 128, PF_BLOCK: tl.constexpr = 1024,
-        PF_ASM: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False):
     """qkv_rope_write_kv + paged_attention in one launch, for decode (MODE 0) and the tree
     verify (MODE 2). Each program (one per sequence, KV head, row tile and context split)
     computes its query rows' RoPE from the QKV planes itself; the new tokens sit at the
@@ -492,25 +481,7 @@ def _rope_attention_kernel(
     projection there; rollout/pdl.py). The tree verify writes its new tokens' K and V
     first and reads them back after a barrier, as the separate kernels do; so does decode
     with WRITE_FIRST (ROPE_ATTENTION_WRITE_FIRST: 1 after its first, preloaded tile, 2 for
-    every tile, none then loaded before the wait).
-
-    With PF, rows n_seqs.. of the grid's first axis are programs that ask L2 for the byte
-    ranges pf_a then pf_b (l2_prefetch.prefetch_lines, PF_BLOCK lines each) and return: the
-    next kernels' weights come in while the attention leaves HBM idle, without a launch of
-    their own (ATTN_L2_PREFETCH_IN_GRID): PF 1 after the PDL wait (when the separate
-    prefetch kernel starts), PF 2 before it (while the QKV projection may still run). They
-    read nothing into registers and write nothing, so no result changes; they let the next
-    grid launch as the other programs do, and it waits for this whole grid."""
-    if PF != 0:
-        if tl.program_id(0) >= n_seqs:  # a prefetch program
-            p = ((tl.program_id(0) - n_seqs) * tl.num_programs(1) + tl.program_id(1)) \
-                * tl.num_programs(2) + tl.program_id(2)
-            if PF == 1:
-                pdl_enter(USE_PDL)
-            elif USE_PDL:
-                tl.extra.cuda.gdc_launch_dependents()
-            prefetch_lines(pf_a_ptr, pf_na, pf_b_ptr, pf_nb, p, PF_LINE, PF_BLOCK, PF_ASM)
-            return
+    every tile, none then loaded before the wait)."""
     if MODE != 0:
         pdl_enter(USE_PDL)  # first: rollout/pdl.py
     b, kvh, tile, split, ctx, q0, n_new = _program(ctx_ptr, qs_ptr, stride_ctx, num_splits, MODE)
@@ -646,8 +617,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
                    query_start: torch.Tensor | None = None,  # [B + 1] with tree_mask; None: decode
                    tree_mask: torch.Tensor | None = None,  # [B, Q, Q] bool
                    num_splits: int = 1,
-                   after_launch=None,
-                   prefetch: tuple | None = None) -> torch.Tensor:  # [T, H, D] attention output
+                   after_launch=None) -> torch.Tensor:  # [T, H, D] attention output
     """qkv_rope_write_kv followed by paged_attention in one kernel launch (plus
     _combine_kernel's with split-K, unless the in-kernel merge is on): decode (T = B), or
     with `query_start` and `tree_mask` the speculative verify (Q new tokens per sequence,
@@ -659,10 +629,7 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
     compiler picks for each kernel, and the two kernels' orders differed on the H100
     (session 24), so such models keep the separate kernels (DecodeModel.fused_rope).
     after_launch: called right after the attention kernel's launch, before the split
-    merge's (DecodeModel's L2 prefetch, ATTN_L2_PREFETCH_MB).
-    prefetch: (first, second, budget, PF) in decode: the kernel's grid gains programs that
-    ask L2 for `budget` bytes of `first` then `second` (l2_prefetch.prefetch_ranges) after
-    (PF 1) or before (PF 2) the PDL wait (ATTN_L2_PREFETCH_IN_GRID); ignored in the verify."""
+    merge's (DecodeModel's L2 prefetch, ATTN_L2_PREFETCH_MB)."""
     qkv = _planes(qkv)
     s_in, t = qkv.shape[0], qkv.shape[1]
     nb, page, kvh, hd = k_cache.shape
@@ -708,21 +675,10 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         raise ValueError(f"rope_attention: key tiles of {block_n} keys (need a power of two >= 16)")
     qs = query_start if query_start is not None else context_lens
     grid = (bsz, kvh, row_tiles * num_splits)
-    pf, pf_a, pf_na, pf_b, pf_nb, launch = 0, qkv, 0, qkv, 0, grid
-    if prefetch is not None and mode == MODE_DECODE:
-        first, second, budget, pf_mode = prefetch
-        if pf_mode not in (1, 2):
-            raise ValueError(f"rope_attention: prefetch programs run after (1) or before (2) the "
-                             f"PDL wait, got {pf_mode!r}")
-        (pf_a, pf_na), (pf_b, pf_nb) = prefetch_ranges(first, second, budget)
-        if pf_na:
-            pf = pf_mode
-            pf_rows = -(-prefetch_programs(pf_na, pf_nb) // (kvh * row_tiles * num_splits))
-            launch = (bsz + pf_rows, kvh, row_tiles * num_splits)
     write_first, off32, same_strides = (
         decode_loop_knobs(bsz * kvh * row_tiles * num_splits, k_cache, v_cache)
         if mode == MODE_DECODE else (0, False, False))
-    _rope_attention_kernel[launch](
+    _rope_attention_kernel[grid](
         qkv, bias if bias is not None else qkv, positions, slot_mapping, cos, sin, k_cache,
         v_cache, block_tables, context_lens, qs, tm, out, po, pm, pl, lk,
         qkv.stride(0), qkv.stride(1), positions.stride(0), slot_mapping.stride(0), cos.stride(0),
@@ -731,15 +687,14 @@ def rope_attention(qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] or [S, T, ...] pla
         block_tables.stride(0), context_lens.stride(0),
         tm.stride(0) if mode == MODE_TREE else 0, tm.stride(1) if mode == MODE_TREE else 0,
         out.stride(0), out.stride(1), *split_strides(po, pm, num_splits),
-        float(scale) * LOG2E, num_splits, pf_a, pf_na, pf_b, pf_nb, bsz,
+        float(scale) * LOG2E, num_splits,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, G=group, HEAD_DIM=head_dim,
         HALF=head_dim // 2, D_PAD=max(16, _next_pow2(head_dim)), BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE=page, S=s_in, HAS_BIAS=bias is not None, SPLIT=sp, MODE=mode,
         WB=2 if mode == MODE_DECODE else 16, MERGE=merge, MIN_TILES=min_tiles,
         PAGES_AHEAD=bool(ROPE_ATTENTION_PAGES_AHEAD) and mode == MODE_DECODE,
         WRITE_FIRST=write_first,
-        OFF32=off32, SAME_STRIDES=same_strides, PF=pf, PF_LINE=PF_LINE, PF_BLOCK=PF_BLOCK,
-        PF_ASM=qkv.device.type == "cuda",
+        OFF32=off32, SAME_STRIDES=same_strides,
         num_warps=attention_warps(grid, mode, qkv.device, ROPE_ATTENTION_WARPS),
         num_stages=ROPE_ATTENTION_STAGES or (
             decode_stages(block_tables.shape[1] * page, num_splits, block_n, min_tiles)
@@ -895,7 +850,6 @@ class DecodeModel:
         if mb and few and ATTN_L2_PREFETCH_MB_FEW is not None:
             mb = ATTN_L2_PREFETCH_MB_FEW
         prefetch = int(mb * 2 ** 20) if pdl.active() else 0
-        in_grid = ATTN_L2_PREFETCH_IN_GRID if query_start is None else 0  # decode only
         residual = torch.index_select(w.embed, 0, input_ids)  # [B, hidden]
         h = None  # partial-sum planes of the last down projection
         for layer, lw in enumerate(w.layers):
@@ -914,9 +868,7 @@ class DecodeModel:
                                    query_start=query_start, tree_mask=tree_mask,
                                    after_launch=functools.partial(
                                        l2_prefetch, lw.o_weight, lw.gate_up_weight, prefetch)
-                                   if prefetch and not in_grid else None,
-                                   prefetch=(lw.o_weight, lw.gate_up_weight, prefetch, in_grid)
-                                   if prefetch and in_grid else None,
+                                   if prefetch else None,
                                    **heads)
             else:
                 q = qkv_rope_write_kv(qkv, positions, slot_mapping, self.cos, self.sin,

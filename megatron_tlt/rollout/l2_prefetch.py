@@ -45,34 +45,21 @@ BLOCK = 1024  # lines per program
 
 
 @triton.jit
-def prefetch_lines(a_ptr, a_bytes, b_ptr, b_bytes, p, LINE: tl.constexpr, BLOCK: tl.constexpr,
-                   ASM: tl.constexpr = True):
-    """Ask L2 for lines p * BLOCK .. p * BLOCK + BLOCK - 1 of the byte ranges a then b (a
-    line past both: a's last, or b's, never outside them). ASM False (Triton's interpreter,
-    which runs no inline PTX): a plain load of each line's first byte instead, its value
-    unused, so CPU tests walk the same addresses."""
-    n_a = tl.cdiv(a_bytes, LINE)
-    n_b = tl.cdiv(b_bytes, LINE)
-    i = p * BLOCK + tl.arange(0, BLOCK)
-    in_a = (i < n_a) | (n_b == 0)  # past both ranges: a's last line (never outside them)
-    ia = tl.minimum(i, n_a - 1).to(tl.int64) * LINE
-    ib = tl.minimum(tl.maximum(i - n_a, 0), tl.maximum(n_b - 1, 0)).to(tl.int64) * LINE
-    ptr = tl.where(in_a, a_ptr + ia, b_ptr + ib)
-    if ASM:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.load(ptr)
-
-
-@triton.jit
 def _l2_prefetch_kernel(a_ptr, a_bytes, b_ptr, b_bytes, LINE: tl.constexpr,
                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program p asks L2 for lines p * BLOCK .. of the byte ranges a then b. Module
     docstring: why the trigger comes first and the wait last."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    prefetch_lines(a_ptr, a_bytes, b_ptr, b_bytes, tl.program_id(0), LINE, BLOCK)
+    n_a = tl.cdiv(a_bytes, LINE)
+    n_b = tl.cdiv(b_bytes, LINE)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_a = (i < n_a) | (n_b == 0)  # past both ranges: a's last line (never outside them)
+    ia = tl.minimum(i, n_a - 1).to(tl.int64) * LINE
+    ib = tl.minimum(tl.maximum(i - n_a, 0), tl.maximum(n_b - 1, 0)).to(tl.int64) * LINE
+    ptr = tl.where(in_a, a_ptr + ia, b_ptr + ib)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptr],
+                              dtype=tl.int32, is_pure=False, pack=1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -94,12 +81,6 @@ def prefetch_ranges(first: torch.Tensor, second: torch.Tensor | None,
     return ranges[0], ranges[1] if len(ranges) > 1 else (ranges[0][0], 0)
 
 
-def prefetch_programs(na: int, nb: int) -> int:
-    """Programs of BLOCK lines that cover na + nb bytes asked for (prefetch_ranges' counts)."""
-    lines = -(-na // LINE) + -(-nb // LINE)
-    return -(-lines // BLOCK)
-
-
 def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -> int:
     """Ask L2 for up to `budget` bytes: `first` from its start, then `second` from its
     start with what is left (prefetch_ranges). Launched only on a CUDA device under PDL
@@ -109,6 +90,7 @@ def l2_prefetch(first: torch.Tensor, second: torch.Tensor | None, budget: int) -
     (a, na), (b, nb) = prefetch_ranges(first, second, budget)
     if na == 0:
         return 0
-    _l2_prefetch_kernel[(prefetch_programs(na, nb),)](a, na, b, nb, LINE=LINE, BLOCK=BLOCK,
-                                                      num_warps=4, **pdl.kwargs())
+    lines = -(-na // LINE) + -(-nb // LINE)
+    _l2_prefetch_kernel[(-(-lines // BLOCK),)](a, na, b, nb, LINE=LINE, BLOCK=BLOCK, num_warps=4,
+                                               **pdl.kwargs())
     return na + nb

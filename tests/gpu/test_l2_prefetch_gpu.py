@@ -76,31 +76,3 @@ def test_l2_prefetch_decode_same_bits(mb, monkeypatch):
     outs = graph_decode_both_ways(arch, w, dtype, 6, switch)
     assert switch.asked[False] == 0 and switch.asked[True] > 0, switch.asked
     assert outs[True] == outs[False]
-
-
-@pytest.mark.parametrize("in_grid", [1, 2])
-def test_l2_prefetch_in_grid_same_bits(in_grid, monkeypatch):
-    """gpu_model.ATTN_L2_PREFETCH_IN_GRID: the prefetch as programs of the attention's own
-    grid (1: after its PDL wait, 2: before it) gives the same tokens and bit-identical
-    logprobs in graph decode as the separate kernel (bf16, batch 7 ragged, 40 steps).
-    Control: the in-grid run handed rope_attention its prefetch, the other did not."""
-    dtype = torch.bfloat16
-    arch, w = small_model(dtype, seed=5)
-    handed = {False: 0, True: 0}
-    real = gpu_model.rope_attention
-    state = {"on": False}
-
-    def counting(*a, **k):
-        if k.get("prefetch") is not None:
-            assert k["prefetch"][3] == in_grid
-            handed[state["on"]] += 1
-        return real(*a, **k)
-    monkeypatch.setattr(gpu_model, "rope_attention", counting)
-
-    def configure(model, on: bool) -> None:
-        model.pdl = True
-        state["on"] = on
-        monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_IN_GRID", in_grid if on else 0)
-    outs = graph_decode_both_ways(arch, w, dtype, 6, configure)
-    assert handed[False] == 0 and handed[True] > 0, handed
-    assert outs[True] == outs[False]

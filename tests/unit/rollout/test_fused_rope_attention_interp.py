@@ -78,9 +78,9 @@ def _separate(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits):
                            scale=kw["head_dim"] ** -0.5, num_splits=splits, **tree)
 
 
-def _fused(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits, prefetch=None):
+def _fused(qkv, pos, slots, cos, sin, kc, vc, meta, kw, splits):
     return rope_attention(qkv, pos, slots, cos, sin, kc, vc, scale=kw["head_dim"] ** -0.5,
-                          num_splits=splits, prefetch=prefetch, **meta, **kw)
+                          num_splits=splits, **meta, **kw)
 
 
 CASES = [  # (name, ctx, heads, kv heads, head_dim, page, planes, bias, new tokens)
@@ -456,16 +456,6 @@ def test_forward_fused_rope_equals_separate(family, monkeypatch):
     assert calls == ([] if family == "qwen3" else [False] * 6 + [True] * 2)
 
 
-def _two_row_decode(monkeypatch):
-    """tiny_decode's two-row step with the fused RoPE attention: (weights, run, its logits
-    before any patch)."""
-    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
-    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
-    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
-                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
-    return w, run, run()
-
-
 @pytest.mark.parametrize("pdl_on,mb,few_rows,budget", [
     (True, 1.5, None, 3 << 19), (False, 1.5, None, 3 << 19), (True, 1.5, 2, 3 << 20),
     (True, 1.5, 1, 3 << 19), (True, 0, 2, 0)])
@@ -479,7 +469,11 @@ def test_forward_asks_l2_for_next_weights_after_attention(pdl_on, mb, few_rows, 
     not when it is 1 or ATTN_L2_PREFETCH_MB_FEW is None; ATTN_L2_PREFETCH_MB=0 is off at
     every row count."""
     from megatron_tlt.rollout import gpu_model, pdl
-    w, run, ref = _two_row_decode(monkeypatch)
+    monkeypatch.setenv(FUSED_ROPE_ENV, "1")
+    bt = torch.tensor([[2, 5, 0, 8], [1, 7, 3, 9]], dtype=torch.int32)
+    _, w, run = tiny_decode(bt, torch.tensor([5, 12], dtype=torch.int32),
+                            torch.tensor([3, 250], dtype=torch.int32), num_blocks=12)
+    ref = run()
     events = []
     real_combine = gpu_model.combine_splits
     monkeypatch.setattr(gpu_model, "combine_splits",
@@ -519,83 +513,3 @@ def test_l2_prefetch_ranges():
         assert x.dtype == y.dtype == torch.uint8
     assert got(b.t(), None, 1 << 20)[1] == 0
     assert got(a, b, 0)[1] == 0 and got(a, b, 0)[3] == 0
-
-
-@pytest.mark.parametrize("pf_mode", [1, 2])
-@pytest.mark.parametrize("splits,budget", [(1, 300_000), (3, 40_000), (3, 1 << 20)])
-def test_prefetch_programs_in_the_attention_grid(pf_mode, splits, budget, monkeypatch):
-    """rope_attention's `prefetch` (gpu_model.ATTN_L2_PREFETCH_IN_GRID): programs appended to
-    the decode grid's first axis each take PF_BLOCK lines of the two byte ranges, together
-    every line of the budget once (the last row's spare programs clamp to the last line),
-    and the output and the K/V written are those without them, bit for bit. Control: no
-    prefetch program runs without `prefetch`, and a budget of 0 adds none."""
-    from megatron_tlt.rollout import gpu_model, l2_prefetch
-    seen = []
-    real = gpu_model.prefetch_lines
-
-    def record(a, na, b, nb, p, line, block, asm):
-        seen.append((int(p), int(na), int(nb), bool(asm)))
-        return real(a, na, b, nb, p, line, block, asm)
-    monkeypatch.setattr(gpu_model, "prefetch_lines", record)
-    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
-        [5, 33, 70], heads=6, kvh=2, d=16, page=8, planes=3, bias=True, seed=11)
-    first = torch.randn(300, 256)  # 307200 bytes
-    second = torch.randn(1000, 512)
-    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    ref = _fused(qkv, pos, slots, cos, sin, k1, v1, meta, kw, splits)
-    assert seen == []
-    for pf in (None, (first, second, 0, pf_mode)):
-        k0, v0 = kc.clone(), vc.clone()
-        out = _fused(qkv, pos, slots, cos, sin, k0, v0, meta, kw, splits, pf)
-        assert torch.equal(out, ref) and seen == []
-    out = _fused(qkv, pos, slots, cos, sin, k2, v2, meta, kw, splits,
-                 (first, second, budget, pf_mode))
-    assert torch.equal(out, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
-    na = min(budget, 307200)
-    nb = budget - na
-    programs = l2_prefetch.prefetch_programs(na, nb)
-    per_row = 2 * splits  # KV heads x (row tiles x splits)
-    assert sorted(p for p, *_ in seen) == list(range(-(-programs // per_row) * per_row))
-    assert {(n_a, n_b, asm) for _, n_a, n_b, asm in seen} == {(na, nb, False)}
-
-
-def test_prefetch_programs_argument_errors():
-    """A prefetch mode other than 1 or 2 is refused with its value."""
-    qkv, pos, slots, cos, sin, kc, vc, meta, kw = _case(
-        [5, 9], heads=4, kvh=2, d=16, page=4, planes=1, bias=False, seed=2)
-    with pytest.raises(ValueError, match="got 3"):
-        rope_attention(qkv, pos, slots, cos, sin, kc, vc, scale=0.25,
-                       prefetch=(qkv, None, 1000, 3), **meta, **kw)
-
-
-@pytest.mark.parametrize("in_grid", [0, 1, 2])
-def test_forward_prefetch_in_grid_wiring(in_grid, monkeypatch):
-    """ATTN_L2_PREFETCH_IN_GRID 1 / 2: each layer's decode attention gets the prefetch as
-    rope_attention's `prefetch` (o_weight, gate_up_weight, the budget, the mode) and no
-    l2_prefetch kernel follows it; 0: the separate kernel as before (control). Same logits
-    either way."""
-    from megatron_tlt.rollout import gpu_model, pdl
-    w, run, ref = _two_row_decode(monkeypatch)
-    events = []
-    real_attention = gpu_model.rope_attention
-
-    def attention(*a, **k):
-        pf = k.get("prefetch")
-        events.append(("grid", pf[0].data_ptr(), pf[1].data_ptr(), pf[2], pf[3]) if pf else "none")
-        return real_attention(*a, **k)
-    monkeypatch.setattr(gpu_model, "rope_attention", attention)
-    monkeypatch.setattr(gpu_model, "l2_prefetch", lambda a, b, n: events.append(
-        ("kernel", a.data_ptr(), b.data_ptr(), n)) or 0)
-    monkeypatch.setattr(pdl, "active", lambda: True)  # the CPU has no PDL: its wiring only
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB", 1.5)
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_MB_FEW", None)
-    monkeypatch.setattr(gpu_model, "ATTN_L2_PREFETCH_IN_GRID", in_grid)
-    out = run()
-    assert torch.equal(out, ref)
-    budget = 3 << 19
-    want = []
-    for lw in w.layers:
-        ptrs = (lw.o_weight.data_ptr(), lw.gate_up_weight.data_ptr())
-        want += ([("grid", *ptrs, budget, in_grid)] if in_grid else
-                 ["none", ("kernel", *ptrs, budget)])
-    assert events == want
