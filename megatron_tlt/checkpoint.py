@@ -15,7 +15,9 @@ Atomicity: every rank writes into `step_<N>.partial/`; after a barrier rank 0 wr
 the manifest, renames the directory to `step_<N>` and only then replaces `latest`
 (write to a temporary file + `os.replace`). A crash at any point leaves either the
 previous checkpoint as `latest` or the new one complete; `*.partial` directories are
-never loaded (and are removed by the next save). `keep_last` complete checkpoints are
+never loaded (and are removed by the next save). Saving a step that exists (a rerun)
+first renames the old directory to `step_<N>.replaced`, removed only after the tracker is
+written; `resolve` resumes from it if a crash came between the two renames. `keep_last` complete checkpoints are
 kept (0 keeps all); the one `latest` names is never removed.
 
 Loading checks before touching any state: the directory is complete (its manifest and
@@ -51,6 +53,8 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+REPLACED = ".replaced"
+"""Suffix of a step directory set aside while the same step is saved again."""
 
 
 # ---- distributed helpers --------------------------------------------------------------
@@ -197,10 +201,16 @@ class Checkpointer:
             _atomic_write_text(os.path.join(partial, MANIFEST), json.dumps(
                 {"format": FORMAT, "step": step, "world_size": world, "tp": tp, "pp": pp,
                  "files": files}, indent=2))
-            if os.path.exists(final):  # re-saving a step (e.g. a rerun): replace it
-                shutil.rmtree(final)
+            if os.path.exists(final):  # re-saving a step (e.g. a rerun): set the old one aside,
+                aside = final + REPLACED  # removed once the tracker names the new one (a crash
+                if os.path.exists(aside):  # in between resumes from it: resolve)
+                    shutil.rmtree(aside)
+                os.replace(final, aside)
             os.replace(partial, final)
             _atomic_write_text(os.path.join(self.root, TRACKER), f"{step}\n")
+            for name in os.listdir(self.root):
+                if name.endswith(REPLACED):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
             self._prune(keep=step)
             log.info("checkpoint %s written", final)
         _barrier()
@@ -252,6 +262,12 @@ class Checkpointer:
                             "step_%d", self.root, TRACKER, steps[-1])
                 step = steps[-1]
             path = self.step_dir(step)
+            if not os.path.exists(path) and os.path.isdir(path + REPLACED):
+                # a crash while re-saving this step, between setting the old directory aside
+                # and renaming the new one: the old one is still complete
+                log.warning("%s is missing; resuming from %s (a re-save of that step was "
+                            "interrupted)", path, path + REPLACED)
+                path += REPLACED
             verify_complete(path, f"{os.path.join(self.root, TRACKER)} names step {step}, but")
             return path
         path = os.path.abspath(resume)

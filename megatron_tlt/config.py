@@ -383,7 +383,7 @@ class RolloutConfig(ConfigSection):
     top_k: int = 0
     """Sample among the k most likely tokens; 0 disables it. `train` needs 0 (as top_p)."""
     n_samples: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size), at least 2."""
     spec: Literal["off", "eagle", "ngram", "adaptive"] = "off"
     """Speculative decoding: off, always EAGLE drafter, always n-gram, or adaptive."""
     drafter: str | None = None
@@ -420,7 +420,11 @@ class RolloutConfig(ConfigSection):
             0.0 < self.top_p <= 1.0, f"{self._key('top_p')} must be in (0, 1], got {self.top_p!r}"
         )
         self._check_min("top_k", 0)
-        self._check_min("n_samples", 1)
+        # GRPO's group advantages (rl/advantages.py) need two samples a prompt: with one,
+        # train failed only after its first rollout
+        self._check(self.n_samples >= 2,
+                    f"{self._key('n_samples')} must be >= 2 (GRPO normalises rewards within each "
+                    f"prompt's group of samples), got {self.n_samples!r}")
         from megatron_tlt.spec.tree import Strategy, parse_strategy_schedule  # not the decoder
         try:
             schedule = parse_strategy_schedule(self.spec_depth)

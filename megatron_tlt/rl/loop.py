@@ -301,16 +301,17 @@ class RLRun:
             self._order = (epoch, torch.randperm(len(self.prompts), generator=gen))
         return self._order[1]
 
-    def _step_prompts(self) -> list[_Prompt]:
-        """This DP rank's prompts for the current step (epochs are seeded permutations)."""
+    def _step_prompts(self) -> tuple[list[_Prompt], list[_Prompt]]:
+        """(this DP rank's prompts for the current step, every rank's: rank 0's share
+        first). Epochs are seeded permutations; every rank computes the same list."""
         n = len(self.prompts)
         ids = []
         for k in range(self.prompts_per_step):
             epoch, off = divmod(self.data_pos + k, n)
             ids.append(int(self._epoch_order(epoch)[off]))
+        step = [self.prompts[i] for i in ids]
         share = self.prompts_per_step // self.dp
-        mine = ids[self.dp_rank * share:(self.dp_rank + 1) * share]
-        return [self.prompts[i] for i in mine]
+        return step[self.dp_rank * share:(self.dp_rank + 1) * share], step
 
     def _rollout(self, prompts: list[_Prompt]):
         """Generate and score on the first rank of the model-parallel group; broadcast to
@@ -415,7 +416,7 @@ class RLRun:
 
         cfg, r = self.cfg, self.cfg.rl
         t_step = time.perf_counter()
-        prompts = self._step_prompts()
+        prompts, step_prompts = self._step_prompts()
         ro = self._rollout(prompts)
         if os.environ.get("MEGATRON_TLT_FAULT_KILL_AT_STEP") == str(self.step + 1):
             # Fault injection for the resume tests: die mid-step, after rollouts, like a
@@ -486,9 +487,10 @@ class RLRun:
         m["weight_sync_gb_per_s"] = stats["gb_per_s"]
         self.step += 1
         self.data_pos += self.prompts_per_step
-        if self.rank == 0:
+        if self.rank == 0:  # the step's prompts on every DP rank (batch holds this rank's share)
+            step_ids = sorted({p.prompt_id for p in step_prompts})
             with open(self.ledger, "a") as f:
-                f.write(json.dumps({"step": self.step, "prompt_ids": sorted(set(batch.prompt_ids))}) + "\n")
+                f.write(json.dumps({"step": self.step, "prompt_ids": step_ids}) + "\n")
         m["t_step"] = time.perf_counter() - t_step
         return m
 

@@ -52,3 +52,16 @@ def test_reward_error_on_one_rank_fails_every_rank(run_torchrun, tmp_path, tp, f
     theirs = f"error: step 1 failed on rank {failing_rank}: reward function "
     assert err.count(own) == 1 and err.count(theirs) == 1 and err.count(refuses) == 2, err[-3000:]
     assert _metrics(out) == [] and not (out / "checkpoints" / "latest").exists()
+
+
+def test_ledger_lists_every_dp_ranks_prompts(run_torchrun, tmp_path):
+    """DP=2, 2 prompts a step (8 samples / 4 a prompt): rank 0 writes the ledger, and it
+    must list both ranks' prompts (it listed only its own share, one a step)."""
+    import json
+
+    out = tmp_path / "run"
+    run_torchrun(CLI, 2, BASE + ["parallel.dp=2", "train.steps=2", f"train.out_dir={out}"], timeout=400)
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in ledger] == [1, 2]
+    assert [len(e["prompt_ids"]) for e in ledger] == [2, 2], ledger
+    assert not set(ledger[0]["prompt_ids"]) & set(ledger[1]["prompt_ids"])  # one epoch: no repeats

@@ -133,3 +133,33 @@ def test_other_model_shape_or_world_is_refused(parallel, tmp_path):
     json.dump(data, open(manifest, "w"))
     with pytest.raises(CheckpointError, match="world_size=2 but this run has world_size=1"):
         ck.load(path, actor, opt)
+
+
+def test_resave_of_a_step_survives_a_crash(parallel, tmp_path, monkeypatch):
+    """Saving a step that exists (a rerun) sets the old directory aside until the tracker
+    names the new one. A crash between the two renames used to leave `latest` naming a
+    step directory that no longer existed (the old one was removed first); now resolve
+    resumes from the set-aside copy, and the next save removes it."""
+    actor, opt = _actor_and_opt()
+    ck = Checkpointer(str(tmp_path), keep_last=0)
+    for step in (2, 4):
+        ck.save(step, actor, opt, {"consumed_samples": step})
+    real_replace = os.replace
+
+    def crash_on_new_dir(src, dst):
+        if src.endswith("step_4.partial"):
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_new_dir)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(4, actor, opt, {"consumed_samples": 40})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert ck.latest_step() == 4 and not os.path.exists(ck.step_dir(4))
+    path = ck.resolve("auto")
+    assert path == ck.step_dir(4) + ".replaced"
+    assert ck.load(path, actor, opt)["consumed_samples"] == 4  # the old step 4, complete
+    ck.save(4, actor, opt, {"consumed_samples": 41})
+    assert ck.resolve("auto") == ck.step_dir(4) and ck.complete_steps() == [2, 4]
+    assert sorted(os.listdir(ck.root)) == ["latest", "step_2", "step_4"]
+    assert ck.load(ck.resolve("auto"), actor, opt)["consumed_samples"] == 41

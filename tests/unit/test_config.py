@@ -218,6 +218,8 @@ def test_bad_override_syntax():
         (["optim.adam_beta2=1.0"], "optim.adam_beta2 must be in [0, 1), got 1.0"),
         (["rollout.top_p=0"], "rollout.top_p must be in (0, 1], got 0.0"),
         (["rollout.temperature=-1"], "rollout.temperature must be >= 0.0, got -1.0"),
+        (["rollout.n_samples=1"], "rollout.n_samples must be >= 2 (GRPO normalises rewards within each "
+                                  "prompt's group of samples), got 1"),
         (["rollout.temperature=1e-9"], "rollout.temperature must be 0 (greedy) or at least 1e-05, got 1e-09"),
         (["train.steps=0"], "train.steps must be >= 1, got 0"),
         (
