@@ -81,19 +81,41 @@ def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, progress: b
         src = hf_mapping.hf_to_mcore(arch, name, get_hf)
         params[name].copy_(src)
     mcore_ckpt.save_model(model, arch, out_dir, dtype=dtype, tp=tp, pp=pp, tokenizer_from=hf_dir,
-                          extra_meta={"converted_from": os.path.abspath(hf_dir)})
+                          extra_meta={"converted_from": os.path.abspath(hf_dir),
+                                      "source_files": source_fingerprint(hf_dir)})
     log.info("wrote %s (%s, %d layers, loadable at tp=%d pp=%d)", out_dir, arch.family, arch.num_layers, tp, pp)
     return out_dir
 
 
+_SOURCE_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+
+
+def source_fingerprint(hf_dir: str) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of the files a conversion reads (config.json and the
+    weight files): rewriting the directory in place (an SFT rerun into the same
+    directory) changes it."""
+    out = {}
+    for name in sorted(os.listdir(hf_dir)):
+        if name == "config.json" or name.endswith(_SOURCE_SUFFIXES):
+            st = os.stat(os.path.join(hf_dir, name))
+            out[name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
 def is_conversion_of(mcore_dir: str, hf_dir: str) -> bool:
-    """Whether `mcore_dir` is a complete `hf_to_mcore` conversion of `hf_dir` (a cached
-    conversion of another model, e.g. after model.hf_path changed, must not be reused)."""
+    """Whether `mcore_dir` is a complete `hf_to_mcore` conversion of `hf_dir` as it is now:
+    a cached conversion of another model (model.hf_path changed) or of this directory
+    before its files were rewritten (size or mtime of config.json or a weight file) must
+    not be reused; neither must one written before conversions recorded their sources'
+    fingerprint."""
     meta = os.path.join(mcore_dir, "tlt_model.json")
     if not os.path.isfile(meta):
         return False
     with open(meta) as f:
-        return json.load(f).get("converted_from") == os.path.abspath(hf_dir)
+        m = json.load(f)
+    if m.get("converted_from") != os.path.abspath(hf_dir) or not os.path.isdir(hf_dir):
+        return False
+    return m.get("source_files") == source_fingerprint(hf_dir)
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, progress: bool = True) -> str:

@@ -430,8 +430,19 @@ class RLRun:
                              ro["rollout_logprobs"], rewards.view(-1), adv.view(-1))
         rows = [i for i in range(len(batch)) if bool(keep[i // G])]
         lengths = [len(t) for t in batch.response_tokens]
-        m = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-             "groups_kept": int(keep.sum()), "groups": int(keep.numel()), **_percentiles(lengths),
+        # reward and length figures over the whole step: every DP rank's groups (this rank
+        # holds its share; the rollout speed stays this rank's own)
+        all_rewards, all_keep, all_lengths = rewards, keep, lengths
+        if self.dp > 1:
+            parts = [None] * self.dp
+            dist.all_gather_object(parts, (rewards.tolist(), keep.tolist(), lengths),
+                                   group=ps.get_data_parallel_group())
+            all_rewards = torch.tensor([r for p in parts for r in p[0]], dtype=torch.float32)
+            all_keep = torch.tensor([k for p in parts for k in p[1]], dtype=torch.bool)
+            all_lengths = [n for p in parts for n in p[2]]
+        m = {"reward_mean": float(all_rewards.mean()),
+             "reward_std": float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
+             "groups_kept": int(all_keep.sum()), "groups": int(all_keep.numel()), **_percentiles(all_lengths),
              "t_rollout": ro["t_rollout"], **ro["timing"], "t_reward": ro["t_reward"],
              "rollout_tokens_per_s": sum(lengths) / max(ro["t_rollout"], 1e-9),
              "policy_version": ro["policy_version"]}

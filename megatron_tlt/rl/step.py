@@ -161,6 +161,7 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
         # Mean negative log-prob of the sampled tokens: an unbiased estimate of the policy's
         # entropy on on-policy samples (the exact one needs a vocab-parallel reduction).
         metrics["entropy_est"] = (-(lp * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics[_TOKENS] = mask.sum().detach()
         return scaled, metrics
 
     for k, mb in enumerate(mbs):
@@ -169,7 +170,34 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
     outs = actor.forward_backward(mbs, loss_fn)
     stats = optimizer.step()
     metrics = {"grad_norm": stats["grad_norm"], "update_skipped": stats["skipped"]}
-    if outs:
-        for key in outs[0]:
-            metrics[key] = float(torch.stack([torch.as_tensor(o[key]).float() for o in outs]).mean())
+    if outs:  # the last pipeline stage; its DP group reduces together
+        metrics.update(_step_metrics(outs, global_norm=norm is not None, dp=dp, device=actor.device))
     return metrics
+
+
+_TOKENS = "_tokens"
+
+
+def _step_metrics(outs: list[dict], *, global_norm: bool, dp: int, device) -> dict:
+    """The step's loss metrics from each micro-batch's (this rank's): `pg_loss` is the loss
+    the gradient is of (micro-batch losses normalised by the step's global count sum,
+    over micro-batches and DP ranks; self-normalised ones are averaged, as Megatron and
+    DDP do), the others token-weighted means over every loss token of the step (padding
+    micro-batches, all masked, weigh nothing). A plain mean over micro-batches divided
+    the global loss by their number and pulled ratio_mean below 1 with padding."""
+    from megatron.core import parallel_state as ps
+
+    tokens = [float(torch.as_tensor(o[_TOKENS])) for o in outs]
+    keys = [k for k in outs[0] if k != _TOKENS]
+    sums = []
+    for key in keys:
+        vals = [float(torch.as_tensor(o[key])) for o in outs]
+        if key == "pg_loss":
+            sums.append(sum(vals) if global_norm else sum(vals) / len(vals) / dp)
+        else:
+            sums.append(sum(v * n for v, n in zip(vals, tokens)))
+    t = torch.tensor(sums + [sum(tokens)], dtype=torch.float64, device=device)
+    if dp > 1:
+        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    total = max(float(t[-1]), 1.0)
+    return {key: float(t[i]) if key == "pg_loss" else float(t[i]) / total for i, key in enumerate(keys)}

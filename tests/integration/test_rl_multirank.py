@@ -55,8 +55,9 @@ def test_reward_error_on_one_rank_fails_every_rank(run_torchrun, tmp_path, tp, f
 
 
 def test_ledger_lists_every_dp_ranks_prompts(run_torchrun, tmp_path):
-    """DP=2, 2 prompts a step (8 samples / 4 a prompt): rank 0 writes the ledger, and it
-    must list both ranks' prompts (it listed only its own share, one a step)."""
+    """DP=2, 2 prompts a step (8 samples / 4 a prompt): rank 0 writes the ledger and the
+    metrics, and both must cover both ranks' prompts (they covered only rank 0's share:
+    one prompt and 4 samples a step)."""
     import json
 
     out = tmp_path / "run"
@@ -65,3 +66,5 @@ def test_ledger_lists_every_dp_ranks_prompts(run_torchrun, tmp_path):
     assert [e["step"] for e in ledger] == [1, 2]
     assert [len(e["prompt_ids"]) for e in ledger] == [2, 2], ledger
     assert not set(ledger[0]["prompt_ids"]) & set(ledger[1]["prompt_ids"])  # one epoch: no repeats
+    metrics = [json.loads(line) for line in _metrics(out)]
+    assert [r["groups"] for r in metrics] == [2, 2], metrics

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_tlt.config import load_config
 from megatron_tlt.errors import ConfigError
-from megatron_tlt.convert import is_conversion_of
+from megatron_tlt.convert import is_conversion_of, source_fingerprint
 from megatron_tlt.rl.loop import check_data, check_sampling
 from megatron_tlt.testing import rewards
 
@@ -36,12 +36,26 @@ def test_check_sampling_refuses_truncated_sampling():
 
 
 def test_cached_conversion_is_reused_only_for_its_source(tmp_path):
+    """Reused only for the same directory with the same config.json and weight files (size,
+    mtime): a directory rewritten in place (an SFT rerun into it) was converted once and
+    its stale conversion trained and served as the KL reference."""
     hf, other, mc = tmp_path / "hf", tmp_path / "other", tmp_path / "init_mcore"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"0" * 64)
+    (hf / "tokenizer.json").write_text("{}")
     assert not is_conversion_of(str(mc), str(hf))  # nothing cached yet
     mc.mkdir()
-    (mc / "tlt_model.json").write_text(json.dumps({"converted_from": str(hf)}))
+    meta = {"converted_from": str(hf), "source_files": source_fingerprint(str(hf))}
+    (mc / "tlt_model.json").write_text(json.dumps(meta))
     assert is_conversion_of(str(mc), str(hf))
     assert not is_conversion_of(str(mc), str(other))
+    (hf / "tokenizer.json").write_text('{"changed": 1}')  # not read by the conversion
+    assert is_conversion_of(str(mc), str(hf))
+    (hf / "model.safetensors").write_bytes(b"1" * 80)  # new weights in place
+    assert not is_conversion_of(str(mc), str(hf))
+    (mc / "tlt_model.json").write_text(json.dumps({"converted_from": str(hf)}))  # no fingerprint
+    assert not is_conversion_of(str(mc), str(hf))
 
 
 def test_raising_reward_raises_only_on_its_answer(monkeypatch):

@@ -50,6 +50,37 @@ def test_policy_update_moves_logprobs_with_advantage():
             assert delta * float(batch.advantages[row]) > 0, (row, delta)
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_step_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
+    """The logged pg_loss is the step's loss (the one the gradient is of) and ratio_mean a
+    mean over the step's loss tokens, whatever the micro-batch split: 3 rows in micro-batches
+    of 4, 2 (one padding row) and 1 give the same figures. Before, pg_loss was divided by
+    the number of micro-batches (-1.27 / -0.63 / -0.32 in the review's run) and a padding
+    micro-batch pulled ratio_mean below 1."""
+    mcore.init_parallel(1, 1, seed=0)
+    arch = ModelArch.from_hf_config(tiny_hf_config("llama", vocab_size=60, num_layers=1).to_dict())
+    batch = RolloutBatch.make_dummy(n=3, vocab=60, seed=1)
+    batch.advantages = torch.tensor([1.0, 0.5, 2.0])
+    got = []
+    for size in (4, 2, 1):
+        actor = Actor(arch, init_seed=0)
+        opt = build_optimizer(actor, OptimSettings(lr=1e-2, clip_grad=0.0))
+        mbs = make_microbatches(batch, seq_length=12, micro_batch_size=size)
+        if size == 2:  # a padding micro-batch, as the RL loop adds to even out DP ranks
+            pad = make_microbatches(batch.select([0]), seq_length=12, micro_batch_size=size)[0]
+            pad.loss_mask.zero_()
+            mbs.append(pad)
+        old = actor_logprobs(actor, mbs)
+        ntok = float(sum(mb.loss_mask.sum() for mb in mbs))
+        m = policy_update(actor, opt, mbs, old, PPOLossConfig(aggregation=aggregation),
+                          global_tokens=ntok, global_seqs=3.0)
+        got.append((m["pg_loss"], m["ratio_mean"], m["clip_frac"]))
+    assert got[0][0] < -0.5  # on policy, positive advantages: -mean advantage (token-weighted)
+    for pg, ratio, clip in got:
+        assert pg == pytest.approx(got[0][0], rel=1e-5) and ratio == pytest.approx(1.0, abs=1e-6)
+        assert clip == 0.0
+
+
 def test_actor_logprobs_are_the_engines_at_the_rollout_temperature():
     """At temperature 0.7 the engine samples from, and reports log-probs of,
     log_softmax(logits / 0.7); the actor recomputing them with `temperature=0.7` matches
