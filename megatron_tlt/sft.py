@@ -324,6 +324,8 @@ def main(cfg: Config) -> int:
         raise ConfigError("sft.pack=true needs an attention that honours the block-diagonal mask; the "
                           "TransformerEngine layer spec ignores it: set model.use_te=false (or sft.pack=false)")
 
+    data = build_data(c, tokenizer)  # no process group needed; its errors before the conversion
+
     created_dist = not dist.is_initialized()
     if convert_from is not None and not is_conversion_of(load_dir, convert_from):
         from megatron_tlt.convert import hf_to_mcore
@@ -332,7 +334,6 @@ def main(cfg: Config) -> int:
     mcore.init_parallel(p.tp, p.pp, seed=c.train.seed)
     rank0 = dist.get_rank() == 0
     try:
-        data = build_data(c, tokenizer)
         actor = Actor(arch, tp=p.tp, pp=p.pp, dtype=c.model.dtype, use_te=use_te, init_seed=c.train.seed)
         if load_dir is not None and resume_path is None:
             actor.load(load_dir)

@@ -128,7 +128,11 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     wpath = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(wpath):
         raise CheckpointError(f"no {WEIGHTS_FILE} in drafter directory {path}")
-    return load_file(wpath)
+    try:
+        return load_file(wpath)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors: truncated, corrupt header
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{wpath}: not a readable safetensors file ({type(e).__name__}: {msg})") from None
 
 
 def check_target(config: DrafterConfig, target_arch: ModelArch, source: str) -> None:
@@ -207,6 +211,8 @@ def export_drafter(ckpt: str, out: str) -> str:
     validate_drafter_dir(ckpt)
     if os.path.abspath(ckpt) == os.path.abspath(out):
         raise CheckpointError(f"--out {out} is the checkpoint directory itself")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"--out {out} exists and is not a directory")
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)

@@ -574,7 +574,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
     from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
-    for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts", "unroll"):
+    # every check that can fail on the flags, before the target generates (minutes, and a
+    # run's settings are fixed from then on: a fix would refuse to resume its samples)
+    for name in ("n", "max_new_tokens", "steps", "batch_tokens", "num_prompts", "unroll",
+                 "max_num_seqs", "draft_vocab"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise TLTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.steps is not None and args.epochs is not None:
@@ -583,6 +586,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         raise TLTError(f"--epochs must be > 0, got {args.epochs}")
     if args.save_every < 0:
         raise TLTError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.warmup_steps < 0:
+        raise TLTError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    lr_at(0, args.lr, args.lr_schedule, args.steps or 1, args.warmup_steps)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -201,6 +201,12 @@ def test_sft_from_an_hf_model_and_from_a_megatron_checkpoint(parallel, tmp_path)
     short = {"train": {**TINY["train"], "steps": 1, "global_batch_size": 4},
              "sft": {"eval_interval": 0, "progress": False}}
     out = tmp_path / "from_hf"
+    # a data error comes before the conversion (it came after it: minutes at 7B)
+    bad = tmp_path / "bad_data"
+    with pytest.raises(TLTError, match="no such file"):
+        sft.main(tiny_cfg(bad, model={"hf_path": hf, "seq_length": 128},
+                          data={**TINY.get("data", {}), "path": "/nonexistent/data.jsonl"}, **short))
+    assert not (bad / "init_mcore").exists()
     assert sft.main(tiny_cfg(out, model={"hf_path": hf, "seq_length": 128}, **short)) == 0
     assert (out / "init_mcore" / "tlt_model.json").exists()
     before = load_file(str(tmp_path / "hf_in" / "model.safetensors"))

@@ -216,6 +216,18 @@ def test_load_errors_name_the_problem(engines, spec_models, tmp_path):
         validate_drafter_dir(str(tmp_path / "nope"))
     with pytest.raises(CheckpointError, match="not a megatron_tlt drafter"):
         validate_drafter_dir(spec_models["qwen2"])  # a target model, not a drafter
+    # a truncated weights file and an --out that is a file were tracebacks (SafetensorError,
+    # NotADirectoryError), not the CLI contract's one-line errors
+    save_file(good, wfile)
+    export_drafter(path, str(tmp_path / "ok"))  # control: the intact directory exports
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match="--out .*afile exists and is not a directory"):
+        export_drafter(path, str(afile))
+    with open(wfile, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file \(SafetensorError"):
+        validate_drafter_dir(path)
 
 
 def _ragged_batch(e, temps, lengths, seed):

@@ -125,6 +125,16 @@ def test_command_line_end_to_end(spec_models, tmp_path):
     assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]
     with pytest.raises(TLTError, match="--steps must be >= 1"):
         main(["--target", d, "--data", data, "--out", out, "--steps", "0"])
+    # refused before the target generates anything (they failed only after it, and the
+    # fixed rerun then refused to resume the generated samples' settings)
+    fresh = str(tmp_path / "fresh")
+    for flags, message in ((["--draft-vocab", "0"], "--draft-vocab must be >= 1, got 0"),
+                           (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+                           (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0")):
+        with pytest.raises(TLTError, match=message):
+            main(["--target", d, "--data", data, "--out", fresh, "--steps", "2", "--max-new-tokens", "12",
+                  *flags])
+        assert not os.path.exists(fresh)
 
 
 def test_tasks_with_the_tiny_tokenizer(tmp_path):
