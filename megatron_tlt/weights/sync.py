@@ -43,19 +43,22 @@ def _tp_gather(name: str, p: torch.Tensor) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def _stage_buckets(model, arch: ModelArch) -> list[tuple[str, dict[str, torch.Tensor]]]:
-    """This stage's parameters, TP-gathered, keyed by global Megatron name, in buckets."""
+def _stage_buckets(model, arch: ModelArch) -> tuple[int, Iterator[tuple[str, dict[str, torch.Tensor]]]]:
+    """(how many buckets this stage has, its buckets): the parameters, TP-gathered, keyed
+    by global Megatron name. Lazy: each bucket's TP gather runs when it is asked for, so a
+    sync holds one gathered layer at a time (a list gathered the whole stage first: a full
+    unsharded copy of it at TP > 1). Every TP rank of the stage must consume it alike."""
     params = dict(model.named_parameters())
-    buckets: list[tuple[str, dict[str, torch.Tensor]]] = []
     decoder = getattr(model, "decoder", None)
-    first = {}
-    if "embedding.word_embeddings.weight" in params and getattr(model, "pre_process", False):
-        first["embedding.word_embeddings.weight"] = _tp_gather("embedding.word_embeddings.weight",
-                                                               params["embedding.word_embeddings.weight"])
-    if first:
-        buckets.append(("embedding", first))
-    if decoder is not None:
-        for local_i, layer in enumerate(decoder.layers):
+    layers = list(decoder.layers) if decoder is not None else []
+    emb = "embedding.word_embeddings.weight"
+    has_emb = emb in params and bool(getattr(model, "pre_process", False))
+    has_head = bool(getattr(model, "post_process", False))
+
+    def gen():
+        if has_emb:
+            yield "embedding", {emb: _tp_gather(emb, params[emb])}
+        for local_i, layer in enumerate(layers):
             gi = layer.layer_number - 1
             prefix = f"decoder.layers.{local_i}."
             bucket = {}
@@ -63,15 +66,14 @@ def _stage_buckets(model, arch: ModelArch) -> list[tuple[str, dict[str, torch.Te
                 if n.startswith(prefix):
                     gname = f"decoder.layers.{gi}." + n[len(prefix):]
                     bucket[hf_mapping.local_name(gname)] = _tp_gather(n, p)
-            buckets.append((f"layer{gi}", bucket))
-    last = {}
-    if getattr(model, "post_process", False):
-        last["decoder.final_layernorm.weight"] = params["decoder.final_layernorm.weight"].detach()
-        if not arch.tie_word_embeddings:
-            last["output_layer.weight"] = _tp_gather("output_layer.weight", params["output_layer.weight"])
-    if last:
-        buckets.append(("head", last))
-    return buckets
+            yield f"layer{gi}", bucket
+        if has_head:
+            last = {"decoder.final_layernorm.weight": params["decoder.final_layernorm.weight"].detach()}
+            if not arch.tie_word_embeddings:
+                last["output_layer.weight"] = _tp_gather("output_layer.weight", params["output_layer.weight"])
+            yield "head", last
+
+    return int(has_emb) + len(layers) + int(has_head), gen()
 
 
 def _broadcast_bucket(bucket: Optional[dict[str, torch.Tensor]], src_global: int, group, device) -> dict:
@@ -105,7 +107,7 @@ def iter_hf_buckets(actor) -> Iterator[dict[str, torch.Tensor]]:
     arch: ModelArch = actor.arch
     model = actor.model.module if hasattr(actor.model, "module") else actor.model
     pp = ps.get_pipeline_model_parallel_world_size()
-    mine = _stage_buckets(model, arch)
+    n_mine, mine = _stage_buckets(model, arch)
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group) if pp > 1 else [dist.get_rank() if dist.is_initialized() else 0]
     my_stage = ps.get_pipeline_model_parallel_rank()
@@ -113,18 +115,18 @@ def iter_hf_buckets(actor) -> Iterator[dict[str, torch.Tensor]]:
     for stage in range(pp):
         if pp > 1:
             # How many buckets this stage sends, so every rank loops the same number of times.
-            count = [len(mine) if stage == my_stage else 0]
+            count = [n_mine if stage == my_stage else 0]
             count_t = torch.tensor(count, device=device)
             dist.broadcast(count_t, src=ranks[stage], group=group)
             n_buckets = int(count_t.item())
         else:
-            n_buckets = len(mine)
-        for b in range(n_buckets):
+            n_buckets = n_mine
+        for _ in range(n_buckets):
             if pp > 1:
-                local = mine[b][1] if stage == my_stage else None
+                local = next(mine)[1] if stage == my_stage else None
                 bucket = _broadcast_bucket(local, ranks[stage], group, device)
             else:
-                bucket = mine[b][1]
+                bucket = next(mine)[1]
             yield _to_hf(arch, bucket)
 
 

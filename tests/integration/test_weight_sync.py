@@ -23,3 +23,6 @@ def test_sync_into_engine(tmp_path, run_torchrun, family, tp, pp):
     assert r["before"] > 1e-2, "negative control: a randomized engine must disagree with the actor"
     assert r["after"] < 1e-5, r
     assert r["ptrs_same"] and r["version"] == 7
+    # one bucket's gathers (or none: another stage's bucket comes first) when the first
+    # bucket arrives, not the stage's every layer
+    assert r["gathers_first"] <= 1 < r["gathers_total"], r

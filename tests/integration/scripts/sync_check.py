@@ -42,10 +42,21 @@ def main():
     tokens = torch.randint(0, arch.vocab_size, (3, 10), generator=torch.Generator().manual_seed(5))
     ref = actor.logits(tokens.to(actor.device))
     before = engine_logits(engine, tokens)
+    # laziness: the TP gathers done by the time the first bucket arrives (a stage gathered
+    # every layer before its first bucket: a full unsharded copy at TP > 1)
+    from megatron_tlt.weights import sync as sync_mod
+    calls, real_gather = [], sync_mod._tp_gather
+    sync_mod._tp_gather = lambda n, p: (calls.append(n), real_gather(n, p))[1]
+    buckets = sync_mod.iter_hf_buckets(actor)
+    next(buckets)
+    gathers_first = len(calls)
+    for _ in buckets:
+        pass
+    sync_mod._tp_gather = real_gather
     stats = sync_actor_to_engine(actor, engine, version=7)
     after = engine_logits(engine, tokens)
     res = {"version": engine.policy_version, "ptrs_same": ptrs == [t.data_ptr() for t in weights.tensors()],
-           "stats": stats}
+           "stats": stats, "gathers_first": gathers_first, "gathers_total": len(calls)}
     if ref is not None:
         ref = ref.float().cpu()
         res["before"] = (before - ref).abs().max().item()
