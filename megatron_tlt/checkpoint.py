@@ -17,8 +17,8 @@ the manifest, renames the directory to `step_<N>` and only then replaces `latest
 previous checkpoint as `latest` or the new one complete; `*.partial` directories are
 never loaded (and are removed by the next save). Saving a step that exists (a rerun)
 first renames the old directory to `step_<N>.replaced`, removed only after the tracker is
-written; `resolve` resumes from it if a crash came between the two renames. `keep_last` complete checkpoints are
-kept (0 keeps all); the one `latest` names is never removed.
+written; `resolve` resumes from it if a crash came between the two renames. `keep_last`
+complete checkpoints are kept (0 keeps all); the one `latest` names is never removed.
 
 Loading checks before touching any state: the directory is complete (its manifest and
 every file it lists exist), it was written with the same world size / TP / PP (the
