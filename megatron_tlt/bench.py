@@ -43,7 +43,6 @@ import ast
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import platform
 import shlex
@@ -54,6 +53,7 @@ import traceback
 
 import torch
 
+from megatron_tlt.atomic_io import write_json
 from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.engine import RolloutEngine
@@ -818,13 +818,8 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _write_json(path: str, report: dict) -> None:
-    """Write `report` to `path` whole or not at all (a temporary file renamed over it)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    os.replace(tmp, path)
+    """Write `report` to `path` whole or not at all (atomic_io)."""
+    write_json(path, report, default=str)
 
 
 def _report(args: argparse.Namespace, opts: argparse.Namespace, plan, shapes: list[str],

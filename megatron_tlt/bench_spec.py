@@ -29,7 +29,6 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import os
 import pstats
 import statistics
@@ -472,10 +471,8 @@ def main(args: argparse.Namespace) -> int:
                   },
                   "results": rows, "complete": complete, "wall_s": time.perf_counter() - start}
         if getattr(args, "json", None):
-            d = os.path.dirname(os.path.abspath(args.json))
-            os.makedirs(d, exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2, default=str)
+            from megatron_tlt.atomic_io import write_json
+            write_json(args.json, report, default=str)
             if complete:
                 print(f"wrote {args.json}")
 

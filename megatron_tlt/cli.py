@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable
 
 from megatron_tlt import __version__
-from megatron_tlt.errors import TLTError
+from megatron_tlt.errors import ConfigError, TLTError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -85,6 +85,9 @@ def _run_with_config(args: argparse.Namespace, target: str) -> Any:
     from megatron_tlt.config import format_config, load_config, save_config
 
     cfg = load_config(args.config, args.overrides)  # bad input fails before anything else
+    out_dir = cfg.train.out_dir
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"train.out_dir {out_dir!r} is a file, not a directory")
     fn = _resolve(args.command, target)
     if _rank() == 0:
         print(format_config(cfg), flush=True)

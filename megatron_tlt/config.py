@@ -740,8 +740,13 @@ def _read_yaml_file(path: str) -> dict:
     if not os.path.isfile(path):
         what = "is a directory, not a file" if os.path.isdir(path) else "not found"
         raise ConfigError(f"config file {path!r} {what}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start + 1})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read ({e.strerror})") from None
     try:
         data = _parse_yaml(text)
     except yaml.YAMLError as e:
@@ -778,7 +783,11 @@ def config_to_dict(cfg: ConfigSection) -> dict:
 def save_config(cfg: ConfigSection, path: str) -> None:
     """Write `cfg` as YAML to `path` (atomically; parent directories are created)."""
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot write {path}: {parent} (or a directory above it) is a file, "
+                          f"not a directory") from None
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(_dump_yaml(config_to_dict(cfg)))

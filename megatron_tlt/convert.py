@@ -44,7 +44,26 @@ def _build_full_model(arch: ModelArch, dtype: str):
     return model
 
 
+def check_output_dir(out_dir: str, source: str) -> None:
+    """CheckpointError unless a conversion may write `out_dir`: it must not be the source,
+    inside it or contain it, and an existing one is replaced only when it is empty or a
+    model directory (tlt_model.json or config.json in it); anything else would be deleted."""
+    out, src = os.path.realpath(out_dir), os.path.realpath(source)
+    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+        raise CheckpointError(f"--out {out_dir} is, contains or lies inside the source {source}")
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise CheckpointError(f"--out {out_dir} exists and is not a directory")
+    names = os.listdir(out)
+    if names and not {"tlt_model.json", "config.json"} & set(names):
+        raise CheckpointError(f"--out {out_dir} is a non-empty directory that holds no model "
+                              f"(no tlt_model.json or config.json); it would be replaced: give a "
+                              f"new or empty directory")
+
+
 def hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, progress: bool = True) -> str:
+    check_output_dir(out_dir, hf_dir)
     arch = ModelArch.from_hf_dir(hf_dir)
     arch.check_parallel(tp, pp)
     reader = mcore_ckpt.HFCheckpointReader(hf_dir)
@@ -122,6 +141,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, prog
     from safetensors.torch import save_file
 
     meta = mcore_ckpt.read_meta(mcore_dir)
+    check_output_dir(out_dir, mcore_dir)
     arch: ModelArch = meta["arch"]
     model = _build_full_model(arch, meta["dtype"])
     mcore_ckpt.load_model(model, arch, mcore_dir)

@@ -16,6 +16,7 @@ from importlib import resources
 
 import torch
 
+from megatron_tlt.atomic_io import write_json, write_text
 from megatron_tlt.errors import TLTError
 
 
@@ -73,8 +74,7 @@ def main(args) -> int:
     if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         summary.update(_rollouts(model_dir, ns.n, ns.out_dir))
     summary["seconds"] = round(time.time() - t0, 1)
-    with open(os.path.join(ns.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_json(os.path.join(ns.out_dir, "summary.json"), summary)
     print(f"[demo] done in {summary['seconds']} s; summary: {os.path.join(ns.out_dir, 'summary.json')}")
     mcore.destroy_parallel()
     return 0
@@ -100,9 +100,7 @@ def _rollouts(model_dir: str, n: int, out_dir: str) -> dict:
         correct += reward
         rows.append({"prompt_id": s.prompt_id, "reward": reward, "tokens": len(r.token_ids), "response": text})
     path = os.path.join(out_dir, "rollouts.jsonl")
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
     lengths = sorted(len(r.token_ids) for r in results)
     print(f"[demo] {n} greedy rollouts on held-out prompts: exact answers {int(correct)}/{n}, "
           f"response tokens median {lengths[len(lengths) // 2]}, max {lengths[-1]}; written to {path}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -289,6 +288,8 @@ def main(args: argparse.Namespace) -> int:
                   device=getattr(args, "device", "auto"), tokenizer=getattr(args, "tokenizer", None),
                   temperature=getattr(args, "temperature", 0.0), samples=getattr(args, "samples", 1))
     tasks = args.tasks.split(",")
+    if args.json and os.path.isdir(args.json):  # before the evaluation, not after it
+        raise TLTError(f"--json {args.json} is a directory, not a file")
     if getattr(args, "ckpt", None):
         report = evaluate_checkpoint(args.ckpt, tasks, n=args.n, seed=args.seed,
                                      max_new_tokens=args.max_new_tokens, **kwargs)
@@ -297,8 +298,6 @@ def main(args: argparse.Namespace) -> int:
                           **kwargs)
     print(format_report(report), flush=True)
     if args.json:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(parent, exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        from megatron_tlt.atomic_io import write_json
+        write_json(args.json, report)
     return 0

@@ -152,6 +152,12 @@ class RLRun:
             raise ConfigError(f"prompts per step ({self.prompts_per_step} = train.global_batch_size / "
                               f"rollout.n_samples) must be a multiple of parallel.dp ({self.dp})")
 
+        if self.model_dir is not None:  # before the conversion (the engine checks it after)
+            from megatron_tlt.models.arch import ModelArch
+            most = ModelArch.from_hf_dir(self.model_dir).max_position_embeddings
+            if cfg.model.seq_length > most:
+                raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) exceeds the model's "
+                                  f"max_position_embeddings ({most}, {self.model_dir})")
         mc_dir = self._mcore_checkpoint()
         from megatron_tlt.models.mcore_ckpt import read_meta
 

@@ -175,6 +175,8 @@ def main(args: argparse.Namespace) -> int:
     n = args.n
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
+    if os.path.isdir(args.out):  # before the generation, not at its rename
+        raise TLTError(f"--out {args.out} is a directory, not a file")
     for flag, default in (("block_size", 16), ("max_num_seqs", 64), ("num_blocks", None),
                           ("max_model_len", None)):
         value = _arg(args, flag, default)

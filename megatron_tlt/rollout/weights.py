@@ -224,8 +224,12 @@ def engine_dtype(arch: ModelArch, device: str | torch.device, name: str = "auto"
     torch_dtype; bfloat16 when it names none the engine runs) on an accelerator."""
     from megatron_tlt.models.mcore import torch_dtype
 
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):  # e.g. "gpu": torch's message lists every device type
+        raise TLTError(f"--device {str(device)!r}: expected auto, cpu or cuda[:i]") from None
     if name == "auto":
-        if torch.device(device).type == "cpu":
+        if device.type == "cpu":
             return torch.float32
         name = arch.torch_dtype if arch.torch_dtype in ENGINE_DTYPES else "bfloat16"
     if name not in ENGINE_DTYPES:

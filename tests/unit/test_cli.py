@@ -78,6 +78,16 @@ def test_unknown_config_key_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "run").exists(), "nothing may be written before the config is valid"
 
 
+def test_seq_length_beyond_the_model_fails_before_conversion(tmp_path):
+    """`train` on the built-in defaults (model.seq_length 2048, the tiny default model's
+    1024 positions): the engine's max_model_len error came after the HF -> mcore
+    conversion and named no config key."""
+    proc = run_cli("train", f"train.out_dir={tmp_path / 'run'}")
+    line = assert_one_line_error(proc)
+    assert line.startswith("error: model.seq_length (2048) exceeds the model's max_position_embeddings (1024, ")
+    assert not (tmp_path / "run" / "init_mcore").exists()
+
+
 def test_missing_config_file_is_one_line_exit_2(tmp_path):
     missing = tmp_path / "missing.yaml"
     line = assert_one_line_error(run_cli("sft", "--config", str(missing)))
@@ -115,6 +125,17 @@ def test_train_loads_prints_and_saves_config_then_dispatches(tmp_path, fake_modu
     assert cfg.rollout.temperature == 0.5 and cfg.rollout.top_k == 5
     assert format_config(cfg) in capsys.readouterr().out
     assert load_config(str(out_dir / "config.yaml"), []) == cfg
+
+
+def test_out_dir_that_is_a_file_is_one_clear_error(tmp_path, fake_module, capsys, monkeypatch):
+    """train.out_dir naming a file was a FileExistsError traceback, exit 1."""
+    monkeypatch.delenv("RANK", raising=False)
+    fake_module("megatron_tlt.rl.loop", main=lambda cfg: 0)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli.main(["train", f"train.out_dir={afile}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: train.out_dir {str(afile)!r} is a file, not a directory"
+    assert afile.read_text() == "x"
 
 
 def test_sft_on_nonzero_rank_does_not_write(tmp_path, fake_module, capsys, monkeypatch):

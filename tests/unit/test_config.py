@@ -199,6 +199,22 @@ def test_bad_yaml_names_file_and_line(tmp_path):
     line = int(msg[len(f"invalid YAML in config file {path}:") :].split(":")[0])
     assert 3 <= line <= 5, msg
     assert error_of(write(tmp_path, "- a\n- b\n", "list.yaml")).endswith("must hold a mapping of sections, got list")
+    # not UTF-8: was a UnicodeDecodeError traceback
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"train:\n  steps: \xff\n")
+    assert error_of(str(binary)) == f"config file {str(binary)!r} is not UTF-8 text (byte 17)"
+
+
+def test_save_config_under_a_file_is_one_clear_error(tmp_path):
+    """train.out_dir=afile/sub: was NotADirectoryError / FileExistsError tracebacks."""
+    from megatron_tlt.config import save_config
+
+    (tmp_path / "afile").write_text("x")
+    for path in (tmp_path / "afile" / "config.yaml", tmp_path / "afile" / "sub" / "config.yaml"):
+        with pytest.raises(ConfigError, match="is a file, not a directory"):
+            save_config(load_config(None, []), str(path))
+    save_config(load_config(None, []), str(tmp_path / "ok" / "config.yaml"))  # control
+    assert (tmp_path / "ok" / "config.yaml").is_file()
 
 
 def test_bad_override_syntax():

@@ -114,6 +114,30 @@ def test_mismatched_shapes(tiny_hf, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_output_dir_that_would_lose_data_is_refused(tiny_hf, tmp_path, capsys):
+    """--out replaced any existing directory: a folder of other files, or the source
+    itself, was deleted (exit 0). Refused now, before work; a previous conversion's output
+    (a model directory) is still replaced."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", str(precious)], capsys)
+    _one_line_error(code, err, "non-empty directory that holds no model")
+    assert (precious / "notes.txt").read_text() == "keep me"
+    code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", tiny_hf], capsys)
+    _one_line_error(code, err, "is, contains or lies inside the source")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", str(afile)], capsys)
+    _one_line_error(code, err, "exists and is not a directory")
+    mc = str(tmp_path / "mc")
+    hf_to_mcore(tiny_hf, mc, progress=False)
+    hf_to_mcore(tiny_hf, mc, progress=False)  # control: its own earlier output is replaced
+    code, err = _run_cli(["convert", "mcore-to-hf", "--mcore", mc, "--out", mc], capsys)
+    _one_line_error(code, err, "is, contains or lies inside the source")
+    assert os.path.isfile(os.path.join(mc, "tlt_model.json"))
+
+
 def test_missing_tensor(tiny_hf, tmp_path):
     t = load_file(os.path.join(tiny_hf, "model.safetensors"))
     del t["model.norm.weight"]

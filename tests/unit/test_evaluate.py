@@ -96,6 +96,12 @@ def test_eval_cli_takes_ckpt_or_model_not_both(tiny_mcore, capsys):
     assert cli.main(["eval", "--ckpt", str(tiny_mcore), "--tasks", "sort", "--n", "2",
                      "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("exact-answer rate: ")
+    # --json naming a directory: one line, exit 2, before the evaluation (it was an
+    # IsADirectoryError traceback after it)
+    assert cli.main(["eval", "--ckpt", str(tiny_mcore), "--tasks", "sort", "--n", "2",
+                     "--json", str(tiny_mcore)]) == 2
+    out = capsys.readouterr()
+    assert out.err.strip() == f"error: --json {tiny_mcore} is a directory, not a file" and out.out == ""
 
 
 def test_sampled_eval_replays_and_counts_pass_at_k():

@@ -100,6 +100,7 @@ def test_greedy_text_matches_tokens(model_dir, tmp_path):
     (['{"prompt": "w1"}'], ["--spec", "ngram", "--spec-depth", "0"], "--spec flags: spec depth must be"),
     (['{"prompt": "w1"}'], ["--top-p", "1.5"], r"sampling flags: top_p must be in \(0, 1\]"),
     (['{"prompt": "w1"}'], ["--temperature", "1e-40"], r"sampling flags: temperature must be 0 \(greedy\)"),
+    (['{"prompt": "w1"}'], ["--device", "gpu"], r"--device 'gpu': expected auto, cpu or cuda\[:i\]"),
     (['{"prompt": "w1"}'], ["--block-size", "0"], "--block-size must be >= 1, got 0"),
     (['{"prompt": "w1"}'], ["--num-blocks", "0"], "--num-blocks must be >= 1, got 0"),
     (['{"prompt": "w1"}'], ["--max-num-seqs", "-2"], "--max-num-seqs must be >= 1, got -2"),
@@ -111,6 +112,16 @@ def test_bad_input_is_one_clear_error(model_dir, tmp_path, content, flags, messa
     with pytest.raises(TLTError, match=message):
         main(_args(model_dir, prompts, out, *flags))
     assert not out.exists()
+
+
+def test_out_that_is_a_directory(model_dir, tmp_path):
+    """--out naming a directory was an IsADirectoryError at the final rename, after the
+    whole generation, leaving OUT.tmp behind."""
+    prompts = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}'])
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(TLTError, match="--out .*adir is a directory, not a file"):
+        main(_args(model_dir, prompts, tmp_path / "adir"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "p.jsonl"]
 
 
 def test_missing_prompts_file(model_dir, tmp_path):
