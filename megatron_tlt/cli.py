@@ -125,6 +125,13 @@ def _cmd_export_drafter(args: argparse.Namespace) -> Any:
 
 
 def _cmd_bench(args: argparse.Namespace) -> Any:
+    if args.what is None:
+        if not args.help:
+            args.parser.error("name a benchmark: rollout, spec or e2e")  # exit 2
+        args.parser.print_help()
+        return 0
+    if args.help:
+        args.extra = ["--help", *args.extra]
     return _resolve("bench", "megatron_tlt.bench:main")(args)
 
 
@@ -198,12 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_export_drafter)
 
-    p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
-    p.add_argument("what", choices=["rollout", "spec", "e2e"])
+    # bench and demo parse their own flags (args.extra): -h / --help goes to that parser,
+    # which lists them, instead of this one, which knows none of them
+    p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)", add_help=False)
+    p.add_argument("-h", "--help", action="store_true", help="show the benchmark's own flags")
+    p.add_argument("what", nargs="?", choices=["rollout", "spec", "e2e"])
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, parser=p)
 
-    p = sub.add_parser("demo", help="a small end-to-end run on the built-in tiny model (CPU)")
+    p = sub.add_parser("demo", help="a small end-to-end run on the built-in tiny model (CPU)",
+                       add_help=False)
     p.set_defaults(func=_cmd_demo)
     return parser
 

@@ -66,6 +66,22 @@ def test_help_lists_every_command():
         assert command in proc.stdout
 
 
+def test_bench_and_demo_help_lists_their_own_flags():
+    """`bench rollout --help`, `bench spec --help` and `demo --help` printed only the parent
+    parser's usage (`[-h] [--json FILE] {rollout,spec,e2e}`, `demo [-h]`), none of the flags
+    the README documents."""
+    for args, flags in ((("bench", "rollout", "--help"), ("--batch-sizes", "--compare-attr")),
+                        (("bench", "spec", "--help"), ("--model", "--drafters")),
+                        (("demo", "--help"), ("--out-dir", "--n N"))):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert all(f in proc.stdout for f in flags), (args, proc.stdout)
+    proc = run_cli("bench", "--help")
+    assert proc.returncode == 0 and "{rollout,spec,e2e}" in proc.stdout
+    proc = run_cli("bench")
+    assert proc.returncode == 2 and "name a benchmark: rollout, spec or e2e" in proc.stderr
+
+
 def test_version():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("megatron-tlt ")
