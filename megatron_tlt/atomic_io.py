@@ -1,6 +1,7 @@
 """Output files written whole or not at all: a temporary file in the same directory,
-renamed over the target. A run killed mid-write leaves the previous file (or none), never
-a truncated one a rerun or a reader would trust."""
+flushed to disk, renamed over the target. A run killed mid-write (or a machine losing
+power) leaves the previous file (or none), never a truncated one a rerun or a reader would
+trust. Reports, the saved config, checkpoint manifests and the `latest` tracker use it."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ def write_text(path: str, text: str) -> None:
     """Write `text` to `path` atomically (creating its directory)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    tmp = f"{os.path.join(d, os.path.basename(path))}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_tlt.atomic_io import write_text
 from megatron_tlt.errors import CheckpointError
 from megatron_tlt.models import mcore_ckpt
 
@@ -147,15 +148,6 @@ def _unwrapped(actor):
         actor.model = wrapped
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Checkpointer:
     """Save / find / load training checkpoints under `<out_dir>/checkpoints/`."""
 
@@ -198,7 +190,7 @@ class Checkpointer:
             with open(os.path.join(partial, TRAINER_STATE), "w", encoding="utf-8") as f:
                 json.dump(full_state, f, indent=2)
             files = sorted(n for n in os.listdir(partial) if n != MANIFEST)
-            _atomic_write_text(os.path.join(partial, MANIFEST), json.dumps(
+            write_text(os.path.join(partial, MANIFEST), json.dumps(
                 {"format": FORMAT, "step": step, "world_size": world, "tp": tp, "pp": pp,
                  "files": files}, indent=2))
             if os.path.exists(final):  # re-saving a step (e.g. a rerun): set the old one aside,
@@ -207,7 +199,7 @@ class Checkpointer:
                     shutil.rmtree(aside)
                 os.replace(final, aside)
             os.replace(partial, final)
-            _atomic_write_text(os.path.join(self.root, TRACKER), f"{step}\n")
+            write_text(os.path.join(self.root, TRACKER), f"{step}\n")
             for name in os.listdir(self.root):
                 if name.endswith(REPLACED):
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

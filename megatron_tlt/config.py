@@ -788,10 +788,8 @@ def save_config(cfg: ConfigSection, path: str) -> None:
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"cannot write {path}: {parent} (or a directory above it) is a file, "
                           f"not a directory") from None
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(_dump_yaml(config_to_dict(cfg)))
-    os.replace(tmp, path)
+    from megatron_tlt.atomic_io import write_text
+    write_text(path, _dump_yaml(config_to_dict(cfg)))
 
 
 def format_config(cfg: ConfigSection) -> str:

@@ -149,6 +149,18 @@ upto() { local v=$(( $(left) - $1 )); [ "$v" -lt 30 ] && v=30; echo "$v"; }
 issue_bench_wanted() {
   [ "$1" = 2 ] || { [ "$1" != 0 ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }
 }
+# issue_then_ab NAME FULL RESERVE ARGS...: the issue's benchmark when issue_bench_wanted
+# FULL (RESERVE s left after it), then ab_bench NAME_1 and NAME_2 with ARGS (two runs)
+issue_then_ab() {
+  local name=$1 full=$2 reserve=$3 r
+  shift 3
+  if issue_bench_wanted "$full"; then
+    issue_bench "$reserve"
+  fi
+  for r in 1 2; do
+    ab_bench "${name}_$r" 5 "$@"
+  done
+}
 # pytest_stage LABEL RESERVE LOG PYTEST_ARGS...: pytest under the stage's time left minus
 # RESERVE, its output in RESULTS/LOG, rc and the last lines printed
 pytest_stage() {
@@ -184,6 +196,7 @@ $PY -c "import pytest" 2> /dev/null || $PY -m pip install -q --no-index --no-dep
 export PYTHONPATH=/tmp/site:/tmp/site2:$PWD TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
 export MEGATRON_TLT_LINEAR_PLANS=${MEGATRON_TLT_LINEAR_PLANS:-$WORK/linear_plans.json}
 mkdir -p "$WORK"
+G=megatron_tlt.rollout.gpu_model  # the stages' --compare-attr module (some set it again)
 
 case "$STAGE" in
   setup) ;;
@@ -495,35 +508,18 @@ PYEOF
     ab_bench s37b_b1 60 --batch-sizes 1 "${b1[@]}"
     ab_bench s37b_b32 5 --batch-sizes 32 "${b32[@]}" ;;
   s39)
-    G=megatron_tlt.rollout.gpu_model
-    if issue_bench_wanted "${S39_FULL:-1}"; then
-      issue_bench "${S39_RESERVE:-120}"
-    fi
-    for r in 1 2; do
-      ab_bench "s39_$r" 5 --batch-sizes 1 --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=12" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8"
-    done ;;
+    issue_then_ab s39 "${S39_FULL:-1}" "${S39_RESERVE:-120}" --batch-sizes 1 \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=12" \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8" ;;
   s40)
-    G=megatron_tlt.rollout.gpu_model
-    if issue_bench_wanted "${S40_FULL:-1}"; then
-      issue_bench "${S40_RESERVE:-150}"
-    fi
-    for r in 1 2; do
-      ab_bench "s40_$r" 5 --batch-sizes 1,32 --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" \
-          --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=8" --compare-attr "env:MEGATRON_TLT_PDL_PRELOAD_KB=16" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None"
-    done ;;
+    issue_then_ab s40 "${S40_FULL:-1}" "${S40_RESERVE:-150}" --batch-sizes 1,32 \
+        --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=8" \
+        --compare-attr "env:MEGATRON_TLT_PDL_PRELOAD_KB=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None" ;;
   s41)
-    G=megatron_tlt.rollout.gpu_model
-    if issue_bench_wanted "${S41_FULL:-1}"; then
-      issue_bench "${S41_RESERVE:-150}"
-    fi
-    for r in 1 2; do
-      ab_bench "s41_$r" 5 --batch-sizes 1,32 --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" \
-          --compare-attr "megatron_tlt.rollout.triton_linear:_GLU=1" \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8"
-    done ;;
+    issue_then_ab s41 "${S41_FULL:-1}" "${S41_RESERVE:-150}" --batch-sizes 1,32 \
+        --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" --compare-attr "megatron_tlt.rollout.triton_linear:_GLU=1" \
+        --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1

@@ -187,17 +187,21 @@ def _step_metrics(outs: list[dict], *, global_norm: bool, dp: int, device) -> di
     the global loss by their number and pulled ratio_mean below 1 with padding."""
     from megatron.core import parallel_state as ps
 
-    tokens = [float(torch.as_tensor(o[_TOKENS])) for o in outs]
+    def column(key: str) -> torch.Tensor:  # [micro-batches] float64, on the device
+        return torch.stack([torch.as_tensor(o[key], device=device).to(torch.float64) for o in outs])
+
+    tokens = column(_TOKENS)
     keys = [k for k in outs[0] if k != _TOKENS]
     sums = []
     for key in keys:
-        vals = [float(torch.as_tensor(o[key])) for o in outs]
+        vals = column(key)
         if key == "pg_loss":
-            sums.append(sum(vals) if global_norm else sum(vals) / len(vals) / dp)
+            sums.append(vals.sum() if global_norm else vals.mean() / dp)
         else:
-            sums.append(sum(v * n for v, n in zip(vals, tokens)))
-    t = torch.tensor(sums + [sum(tokens)], dtype=torch.float64, device=device)
+            sums.append((vals * tokens).sum())
+    t = torch.stack(sums + [tokens.sum()])
     if dp > 1:
         torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
-    total = max(float(t[-1]), 1.0)
-    return {key: float(t[i]) if key == "pg_loss" else float(t[i]) / total for i, key in enumerate(keys)}
+    *sums, total = t.tolist()  # one device-to-host copy
+    total = max(total, 1.0)
+    return {key: v if key == "pg_loss" else v / total for key, v in zip(keys, sums)}

@@ -177,11 +177,14 @@ def main(args: argparse.Namespace) -> int:
         raise TLTError(f"--n must be >= 1, got {n}")
     if os.path.isdir(args.out):  # before the generation, not at its rename
         raise TLTError(f"--out {args.out} is a directory, not a file")
-    for flag, default in (("block_size", 16), ("max_num_seqs", 64), ("num_blocks", None),
-                          ("max_model_len", None)):
-        value = _arg(args, flag, default)
+    block_size = _arg(args, "block_size", 16)
+    max_num_seqs = _arg(args, "max_num_seqs", 64)
+    num_blocks = _arg(args, "num_blocks", None)
+    max_model_len = _arg(args, "max_model_len", None)
+    for flag, value in (("--block-size", block_size), ("--max-num-seqs", max_num_seqs),
+                        ("--num-blocks", num_blocks), ("--max-model-len", max_model_len)):
         if value is not None and value < 1:
-            raise TLTError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise TLTError(f"{flag} must be >= 1, got {value}")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens,
                             min_new_tokens=_arg(args, "min_new_tokens", 0),
@@ -219,10 +222,7 @@ def main(args: argparse.Namespace) -> int:
             slots.append((len(requests), lineno))
             requests.append(r)
 
-    max_model_len = _arg(args, "max_model_len", None) or arch.max_position_embeddings
-    block_size = _arg(args, "block_size", 16)
-    max_num_seqs = _arg(args, "max_num_seqs", 64)
-    num_blocks = _arg(args, "num_blocks", None)
+    max_model_len = max_model_len or arch.max_position_embeddings
     if num_blocks is None:
         # room for the largest draft tree the policy may verify
         extra = 0 if policy is None else max(st.num_draft_nodes for st in policy.strategies) + 1
