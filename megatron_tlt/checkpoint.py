@@ -284,7 +284,7 @@ class Checkpointer:
         with _unwrapped(actor):
             actor.load(os.path.join(path, MODEL_DIR))
         if optimizer is not None:
-            reload = getattr(getattr(optimizer, "opt", None), "reload_model_params", None)
+            reload = getattr(optimizer, "reload_model_params", None)
             if callable(reload):
                 reload()
             optimizer.load_state_dict(_torch_load(os.path.join(path, f"optim_rank{rank}.pt")))

@@ -128,7 +128,8 @@
 #             forward graph alone), then bench rollout 1.5B batch 1, twice, against knobs
 #             only timed on H100s (the one-row L2 prefetch at 4 MB / off, RMSNorm at 4 / 8
 #             warps, FMA_WIDE, the in-kernel split merge, 4-warp attention; the default
-#             restated as the noise floor), then tests/gpu/test_engine_gpu.py (~8 min)
+#             restated as the noise floor), then tests/gpu/test_engine_gpu.py (~8 min); the
+#             float16 optimizer's GPU test before the A/B
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -535,6 +536,7 @@ PYEOF
         --json "$RESULTS/profile_1p5b_b1.json" > "$RESULTS/profile_1p5b_b1.log" 2>&1
     echo "[runbook] profile: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "us/step|rror" "$RESULTS/profile_1p5b_b1.log" | head -n 4
+    pytest_stage fp16 300 gpu_tests_fp16.log tests/gpu/test_optim_fp16_gpu.py
     for r in 1 2; do
       timeout "$(upto 300)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_s42_$r.json" \
           --shapes 1.5b --batch-sizes 1 --no-hf \

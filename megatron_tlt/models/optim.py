@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_tlt.errors import CheckpointError
+from megatron_tlt.errors import CheckpointError, ConfigError
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -101,16 +101,42 @@ class ActorOptimizer:
 
 
 class LocalAdamW(ActorOptimizer):
+    """AdamW over this rank's parameters (module docstring). Parameters in bfloat16 are
+    stepped through float32 master copies, as Megatron's mixed-precision optimizer does:
+    AdamW on the bf16 weights themselves would round away every update smaller than half
+    a weight's bf16 spacing (at lr 1e-5, 84% of them on a tiny model). The masters are
+    copied back into the model after each step, saved with the state and refreshed from
+    the model by `reload_model_params` (the Checkpointer calls it after loading weights).
+    float16 needs loss scaling, which only MegatronAdamW does: refused here."""
+
+    MASTERS_KEY = "fp32_masters"
+
     def __init__(self, model: torch.nn.Module, s: OptimSettings):
         self.model = model
         self.settings = s
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype == torch.float16 for p in self.params):
+            raise ConfigError(
+                "model.dtype=float16: training in float16 needs loss scaling, which only the GPU's "
+                "Megatron optimizer does; use bfloat16 (same memory, no loss scaling) or float32")
         seq_par = getattr(getattr(model, "config", None), "sequence_parallel", False)
         self.tp_partial = [p for n, p in model.named_parameters() if p.requires_grad and (
             "q_layernorm" in n or "k_layernorm" in n or (seq_par and getattr(p, "sequence_parallel", False)))]
-        self.opt = torch.optim.AdamW(_param_groups(self.params, s.weight_decay), lr=s.lr,
+        self.masters: list[torch.Tensor] | None = None
+        stepped = self.params
+        if any(p.dtype != torch.float32 for p in self.params):
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            stepped = self.masters
+        self.opt = torch.optim.AdamW(_param_groups(stepped, s.weight_decay), lr=s.lr,
                                      betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                                      foreach=False)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Masters := the model's weights (after weights were loaded into the model)."""
+        if self.masters is not None:
+            for m, p in zip(self.masters, self.params):
+                m.copy_(p)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -158,18 +184,45 @@ class LocalAdamW(ActorOptimizer):
             self.zero_grad()
             return {"grad_norm": norm, "skipped": True}
         clip = self.settings.clip_grad
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            for p in self.params:
-                p.grad.mul_(coef)
-        self.opt.step()
+        coef = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
+        if self.masters is None:
+            if coef is not None:
+                for p in self.params:
+                    p.grad.mul_(coef)
+            self.opt.step()
+        else:  # the gradients in float32 (clipped there), the step on the masters
+            for m, p in zip(self.masters, self.params):
+                m.grad = p.grad.float() if coef is None else p.grad.float().mul_(coef)
+            self.opt.step()
+            with torch.no_grad():
+                for m, p in zip(self.masters, self.params):
+                    p.copy_(m)
+                    m.grad = None
         return {"grad_norm": norm, "skipped": False}
 
     def state_dict(self) -> dict:
-        return self.opt.state_dict()
+        state = self.opt.state_dict()
+        if self.masters is not None:
+            state = {**state, self.MASTERS_KEY: [m.detach().clone() for m in self.masters]}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+        masters = state.get(self.MASTERS_KEY)
+        self.opt.load_state_dict({k: v for k, v in state.items() if k != self.MASTERS_KEY})
+        if self.masters is None:
+            return
+        if masters is None:  # a state saved before the masters existed: the model's weights
+            self.reload_model_params()
+            return
+        if len(masters) != len(self.masters):
+            raise CheckpointError(f"optimizer state holds {len(masters)} master weights, this model "
+                                  f"has {len(self.masters)} parameters")
+        with torch.no_grad():
+            for i, (m, saved) in enumerate(zip(self.masters, masters)):
+                if saved.shape != m.shape:
+                    raise CheckpointError(f"optimizer master weight {i}: shape {tuple(saved.shape)}, "
+                                          f"the model's parameter is {tuple(m.shape)}")
+                m.copy_(saved)
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
@@ -214,6 +267,11 @@ class MegatronAdamW(ActorOptimizer):
         self.actor = actor
         self.settings = s
         self.opt = get_megatron_optimizer(ocfg, [actor.model])
+        if cfg.fp16:
+            # The loss is scaled up by the grad scaler's loss scale in backward (Megatron's
+            # schedules call grad_scale_func; its own training loop sets it so), and step()
+            # unscales the gradients; without it they reached Adam 2**32 times too small.
+            cfg.grad_scale_func = self.opt.scale_loss
         # Megatron leaves per-group weight decay and lr to its OptimizerParamScheduler
         # (wd_mult = 0 for 1-D params); without it every group would decay. Set them here.
         self.set_lr(s.lr)
@@ -287,6 +345,10 @@ class MegatronAdamW(ActorOptimizer):
             for s in o.optimizer.state.values():
                 if torch.is_tensor(s.get("step")):
                     s["step"] = s["step"].clone()
+
+    def reload_model_params(self) -> None:
+        """Megatron's fp32 master weights := the model's (after weights were loaded)."""
+        self.opt.reload_model_params()
 
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
