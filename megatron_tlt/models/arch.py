@@ -93,7 +93,14 @@ class ModelArch:
         return self.num_layers * per_layer + emb + h
 
     def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise a ConfigError naming the values if (tp, pp) cannot shard this model."""
+        """Raise a ConfigError naming the values if the Megatron actor cannot hold this
+        model or (tp, pp) cannot shard it."""
+        if self.qkv_bias and self.family != "qwen2":
+            # HF's attention_bias on llama / qwen3 biases o_proj too; the actor's output
+            # projection has no bias (the rollout engine serves such a model, `generate`).
+            raise ConfigError(f"attention_bias=true is not supported for training or conversion of "
+                              f"{self.family} (it biases o_proj too, which the Megatron actor does not "
+                              f"hold); `generate` serves such a model")
         if tp < 1 or pp < 1:
             raise ConfigError(f"tensor/pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
         if self.num_heads % tp:

@@ -99,6 +99,17 @@ def test_unsupported_architecture(tiny_hf, tmp_path, capsys):
     _one_line_error(code, err, "unsupported architecture", "gpt2")
 
 
+def test_attention_bias_llama_refused_naming_it(tiny_hf, tmp_path, capsys):
+    # HF's llama attention_bias biases o_proj too, which the actor cannot hold: one line
+    # naming attention_bias, before any work (it said "unexpected tensors" at best).
+    cfg = json.loads(Path(tiny_hf, "config.json").read_text())
+    cfg["attention_bias"] = True
+    Path(tiny_hf, "config.json").write_text(json.dumps(cfg))
+    code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", str(tmp_path / "o")], capsys)
+    _one_line_error(code, err, "attention_bias=true", "o_proj")
+    assert not (tmp_path / "o").exists()
+
+
 def test_tp_not_dividing_heads(tiny_hf, tmp_path, capsys):
     code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", str(tmp_path / "o"), "--tp", "3"], capsys)
     _one_line_error(code, err, "num_attention_heads (4)", "tensor_model_parallel_size (3)")
