@@ -16,6 +16,7 @@ Data order: an epoch is a seeded permutation of the prompt set; the data positio
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -113,6 +114,10 @@ class _Prompt:
     prompt: str
     answer: str
     task: str
+    repeat: int = 0
+    """Earlier occurrences of this prompt in the step (one that spans an epoch boundary, or
+    asks more prompts than the set holds, can hold a prompt twice): its samples take
+    sample indices repeat * n_samples + j, so their request keys and seeds differ."""
 
 
 class RLRun:
@@ -236,13 +241,14 @@ class RLRun:
 
     def _fit(self, prompts: list[_Prompt]) -> list[_Prompt]:
         """Drop prompts whose tokens + rollout.max_new_tokens exceed model.seq_length."""
-        budget = self.cfg.model.seq_length + 1 - self.cfg.rollout.max_new_tokens
+        # The engine holds prompt + max_new_tokens <= model.seq_length (its max_model_len).
+        budget = self.cfg.model.seq_length - self.cfg.rollout.max_new_tokens
         kept = [p for p in prompts if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
         if not kept:
             raise ConfigError(f"every prompt is longer than model.seq_length ({self.cfg.model.seq_length}) - "
-                              f"rollout.max_new_tokens ({self.cfg.rollout.max_new_tokens}) + 1 tokens")
+                              f"rollout.max_new_tokens ({self.cfg.rollout.max_new_tokens}) tokens")
         if len(kept) < len(prompts):
-            log.warning("dropped %d of %d prompts longer than %d tokens (model.seq_length - rollout.max_new_tokens + 1)",
+            log.warning("dropped %d of %d prompts longer than %d tokens (model.seq_length - rollout.max_new_tokens)",
                         len(prompts) - len(kept), len(prompts), budget)
         return kept
 
@@ -311,11 +317,12 @@ class RLRun:
         """(this DP rank's prompts for the current step, every rank's: rank 0's share
         first). Epochs are seeded permutations; every rank computes the same list."""
         n = len(self.prompts)
-        ids = []
+        step, seen = [], collections.Counter()
         for k in range(self.prompts_per_step):
             epoch, off = divmod(self.data_pos + k, n)
-            ids.append(int(self._epoch_order(epoch)[off]))
-        step = [self.prompts[i] for i in ids]
+            p = self.prompts[int(self._epoch_order(epoch)[off])]
+            step.append(dataclasses.replace(p, repeat=seen[p.prompt_id]) if seen[p.prompt_id] else p)
+            seen[p.prompt_id] += 1
         share = self.prompts_per_step // self.dp
         return step[self.dp_rank * share:(self.dp_rank + 1) * share], step
 
@@ -373,8 +380,10 @@ class RLRun:
             for j in range(ro.n_samples):
                 sp = SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
                                     max_new_tokens=ro.max_new_tokens,
-                                    seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id, j))
-                reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
+                                    seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id,
+                                                      p.repeat * ro.n_samples + j))
+                reqs.append(Request(prompt_id=p.prompt_id, sample_index=p.repeat * ro.n_samples + j,
+                                    prompt_token_ids=ptoks,
                                     sampling_params=sp))
         t0 = time.perf_counter()
         sd = self.engine.spec_decoder

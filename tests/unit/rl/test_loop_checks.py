@@ -65,3 +65,68 @@ def test_raising_reward_raises_only_on_its_answer(monkeypatch):
         rewards.digit_fraction_or_raise("12ab", "a3")
     assert rewards.distinct_fraction("abab", "") == 0.5 and rewards.distinct_fraction("", "") == 0.0
     assert rewards.many_distinct_chars("abcdefgh", "") == 1.0 and rewards.many_distinct_chars("abababab", "") == 0.0
+
+
+def _bare_run(num_prompts: int, per_step: int, *, seed: int = 0, seq_length: int = 64, max_new: int = 8):
+    from megatron_tlt.data.tokenizer import load_tokenizer
+    from megatron_tlt.rl.loop import RLRun, _Prompt
+    from megatron_tlt.sft import TINY_DEFAULT_DIR
+
+    run = RLRun.__new__(RLRun)
+    run.cfg = load_config(None, [f"train.seed={seed}", f"model.seq_length={seq_length}",
+                                 f"rollout.max_new_tokens={max_new}", "rollout.n_samples=2"])
+    run.tokenizer = load_tokenizer(TINY_DEFAULT_DIR)
+    run.prompts = [_Prompt(f"p{i}", f"{i} + {i} =", str(2 * i), "arith") for i in range(num_prompts)]
+    run.prompts_per_step, run.dp, run.dp_rank, run.data_pos, run.step = per_step, 1, 0, 0, 0
+    return run
+
+
+def test_step_prompts_repeated_across_an_epoch_boundary_get_their_own_samples():
+    """A step spanning an epoch boundary (or asking more prompts than the set holds) holds
+    a prompt twice: the repeat's requests take other sample indices (hence other seeds),
+    so the engine does not reject them as duplicates of the first (which failed the step:
+    20 of 200 steps of 4 from 10 prompts, seeds 0-19)."""
+    repeats = 0
+    for seed in range(20):
+        run = _bare_run(10, 4, seed=seed)
+        for _ in range(10):
+            mine, step = run._step_prompts()
+            assert mine == step
+            keys = [(p.prompt_id, p.repeat) for p in step]
+            assert len(set(keys)) == len(keys), keys
+            repeats += sum(p.repeat > 0 for p in step)
+            run.data_pos += run.prompts_per_step
+    assert repeats > 0  # the case happened
+    run = _bare_run(3, 8)  # more prompts a step than the set holds
+    _, step = run._step_prompts()
+    assert sorted(p.repeat for p in step) == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
+def test_repeated_prompt_rolls_out_with_distinct_requests():
+    from megatron_tlt.rollout import RolloutEngine, load_hf
+    from megatron_tlt.sft import TINY_DEFAULT_DIR
+
+    run = _bare_run(2, 3)  # p?, p?, then the first again
+    arch, weights = load_hf(TINY_DEFAULT_DIR)
+    run.engine = RolloutEngine(arch, weights, max_num_seqs=8, num_blocks=64, block_size=16,
+                               max_model_len=run.cfg.model.seq_length, eos_token_ids=[run.tokenizer.eos_id])
+    mine, _ = run._step_prompts()
+    assert len({p.prompt_id for p in mine}) == 2  # one prompt twice
+    out = run._generate_and_score(mine)
+    keys = list(zip(out["prompt_ids"], out["sample_indices"]))
+    assert len(set(keys)) == len(keys) == 6, keys
+    assert sorted(i for p, i in keys if p == mine[2].prompt_id) == [0, 1, 2, 3]
+
+
+def test_fit_keeps_what_the_engine_accepts():
+    """Prompt + rollout.max_new_tokens <= model.seq_length (the engine's max_model_len):
+    one more token was kept and then rejected by the engine, failing the step."""
+    from megatron_tlt.rl.loop import _Prompt
+
+    run = _bare_run(1, 1, seq_length=64, max_new=32)
+    enc = run.tokenizer.encode_prompt
+    fits = next(_Prompt("fit", "x" * k, "1", "arith") for k in range(1, 200) if len(enc("x" * k)) == 32)
+    over = next(_Prompt("over", "x" * k, "1", "arith") for k in range(1, 200) if len(enc("x" * k)) == 33)
+    assert run._fit([fits, over]) == [fits]
+    with pytest.raises(ConfigError, match=r"longer than model.seq_length \(64\) - rollout.max_new_tokens \(32\) tokens"):
+        run._fit([over])
