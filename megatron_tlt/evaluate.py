@@ -146,6 +146,7 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
     temperature, samples: sampled evaluation, `samples` responses per prompt."""
     import torch
 
+    from megatron_tlt.data.rewards import compute_rewards
     from megatron_tlt.data.tasks import get_task, make_dataset
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout import Request, RolloutEngine, SamplingParams, load_hf
@@ -223,7 +224,8 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
         if r.error is not None:
             raise TLTError(f"prompt {s.prompt_id}: rejected by the engine: {r.error}")
         text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        ok = get_task(s.task).reward(text, s.answer) == 1.0
+        ok = compute_rewards(get_task(s.task).reward, [text], [s.answer], [s.prompt_id],
+                             truncated=[r.finish_reason == "length"])[0] == 1.0
         solved[s.prompt_id] = solved.get(s.prompt_id, False) or ok
         ref_len = len(tokenizer.encode(s.solution)) + 1
         bucket = _bucket(ref_len)

@@ -42,11 +42,15 @@ def get_field(record: dict[str, Any], path: str) -> Any:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"line {lineno}"
+            try:  # a UTF-8 byte-order mark at the start of the file is allowed
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise TLTError(f"{path}: {where}: not valid UTF-8 (byte {exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"line {lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:

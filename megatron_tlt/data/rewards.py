@@ -8,6 +8,12 @@ A reward function is ``fn(response: str, answer: str) -> float``. Built-ins:
   checked against the reference with the math-verify library, so ``\\boxed{0.5}``
   and ``\\boxed{\\frac{1}{2}}`` both match ``1/2``.
 
+A reward function with the attribute ``zero_if_truncated = True`` (the ``####`` ones:
+a response cut off by the token limit inside its answer line, "#### 5" of "#### 58",
+would otherwise be scored as that answer) scores 0.0 for responses that stopped at
+``max_new_tokens``: `compute_rewards(..., truncated=...)`, as the RL loop and
+``evaluate`` call it. ``math`` needs no flag: an unclosed box is no answer.
+
 `get_reward` also accepts a user function by dotted path, ``mypkg.mymod:fn`` or
 ``mypkg.mymod.fn``, imported at lookup. `compute_rewards` scores a batch and turns
 any exception into a TLTError naming the reward and the prompt id.
@@ -120,8 +126,9 @@ def reward_name(fn: Any) -> str:
 
 
 def compute_rewards(fn: str | RewardFn, responses: Sequence[str], answers: Sequence[str],
-                    prompt_ids: Sequence[str]) -> list[float]:
-    """Score each (response, answer); float results, one per response.
+                    prompt_ids: Sequence[str], truncated: Sequence[bool] | None = None) -> list[float]:
+    """Score each (response, answer); float results, one per response. `truncated`: which
+    responses stopped at the token limit; those score 0.0 when `fn` is zero_if_truncated.
 
     Any exception raised by `fn`, or a result that is not a finite number, becomes
     ``TLTError("reward function {name} failed on prompt {pid}: {exc!r}")`` with
@@ -132,8 +139,14 @@ def compute_rewards(fn: str | RewardFn, responses: Sequence[str], answers: Seque
     if not len(responses) == len(answers) == len(prompt_ids):
         raise ValueError(f"compute_rewards: {len(responses)} responses, {len(answers)} answers, "
                          f"{len(prompt_ids)} prompt ids; expected equal lengths")
+    if truncated is not None and len(truncated) != len(responses):
+        raise ValueError(f"compute_rewards: {len(truncated)} truncated flags for {len(responses)} responses")
+    cut = list(truncated) if truncated is not None and getattr(fn, "zero_if_truncated", False) else None
     out = []
-    for response, answer, pid in zip(responses, answers, prompt_ids):
+    for i, (response, answer, pid) in enumerate(zip(responses, answers, prompt_ids)):
+        if cut is not None and cut[i]:
+            out.append(0.0)
+            continue
         try:
             value = fn(response, answer)
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -190,8 +203,11 @@ def _parse_gold(answer: str, timeout: int | None) -> Any:
 
     inner = last_boxed(answer)
     text = f"\\boxed{{{inner}}}" if inner is not None else answer
-    parsed = parse(text if "$" in text or "\\boxed" in text else f"${text}$", parsing_timeout=timeout)
-    return parsed or parse(answer, parsing_timeout=timeout)
+    # Math mode unless the text has its own: an unescaped $ or a box (an escaped \$, as
+    # MATH writes amounts, is a dollar sign inside math, not a delimiter).
+    delimited = re.search(r"(?<!\\)\$", text) is not None or "\\boxed" in text
+    parsed = parse(text if delimited else f"${text}$", parsing_timeout=timeout)
+    return parsed or parse(answer, parsing_timeout=timeout) or parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
 
 
 def _math_check(boxed: str, answer: str, timeout: int | None) -> float:

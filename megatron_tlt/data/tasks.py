@@ -87,6 +87,9 @@ def exact_answer_reward(response: Any, answer: Any) -> float:
     return 1.0 if got == answer.strip() else 0.0
 
 
+exact_answer_reward.zero_if_truncated = True  # rewards.compute_rewards: a cut answer line
+
+
 def pareto_int(rng: random.Random, k_min: int, alpha: float, cap: int) -> int:
     """A discrete Pareto draw: P(K >= k) = (k_min / k) ** alpha for k_min <= k <= cap
     (the mass above `cap` is put on `cap`)."""
@@ -105,6 +108,8 @@ class TaskFamily:
     def reward(self, response: Any, answer: Any) -> float:
         """1.0 for the exact final answer, else 0.0 (robust to any input)."""
         return exact_answer_reward(response, answer)
+
+    reward.zero_if_truncated = True  # rewards.compute_rewards: a cut answer line
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -180,11 +185,13 @@ class BubbleSortTask(TaskFamily):
                       task=self.name)
 
     def reward(self, response: Any, answer: Any) -> float:
-        # Spaces inside the list carry no meaning: "[1, 2]" == "[1,2]".
+        # Whitespace inside or around the list carries no meaning: "[1, 2]" == "[1,2]".
         got = extract_final_answer(response)
         if got is None or not isinstance(answer, str):
             return 0.0
-        return 1.0 if got.replace(" ", "") == answer.replace(" ", "") else 0.0
+        return 1.0 if "".join(got.split()) == "".join(answer.split()) else 0.0
+
+    reward.zero_if_truncated = True  # rewards.compute_rewards: a cut answer line
 
 
 _TASKS: dict[str, TaskFamily] = {t.name: t for t in (ArithmeticTask(), BubbleSortTask())}

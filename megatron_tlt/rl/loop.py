@@ -407,7 +407,8 @@ class RLRun:
         for task in sorted({by_id[r.prompt_id].task for r in results}):
             idx = [i for i, r in enumerate(results) if by_id[r.prompt_id].task == task]
             vals = compute_rewards(task, [texts[i] for i in idx], [by_id[results[i].prompt_id].answer for i in idx],
-                                   [results[i].prompt_id for i in idx])
+                                   [results[i].prompt_id for i in idx],
+                                   truncated=[results[i].finish_reason == "length" for i in idx])
             rewards.extend(zip(idx, vals))
         rewards = [v for _, v in sorted(rewards)]
         t_rew = time.perf_counter() - t1

@@ -87,6 +87,20 @@ def test_malformed_json_line(tmp_path):
         load_prompt_dataset(path)
 
 
+def test_invalid_utf8_names_the_line(tmp_path):
+    # It raised a bare UnicodeDecodeError naming neither file nor line.
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(TLTError, match=re.escape(f"{path}: line 2: not valid UTF-8 (byte 16 of the line)")):
+        load_prompt_dataset(path)
+
+
+def test_utf8_byte_order_mark_is_allowed(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "answer": "1"}\n')
+    assert [s.prompt for s in load_prompt_dataset(path)] == ["a"]
+
+
 def test_non_object_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('["a", "b"]\n')

@@ -31,6 +31,12 @@ MATH_CASES = [
     ("\\boxed{x^2+1}", "1+x^2", 1.0),
     ("\\boxed{\\{1,2\\}}", "\\{1,2\\}", 1.0),
     ("\\boxed{}", "1/2", 0.0),
+    # MATH writes amounts with an escaped dollar: not a math delimiter (these scored 0.0)
+    ("\\boxed{18.90}", "\\$18.90", 1.0),
+    ("\\boxed{\\$18.90}", "\\$18.90", 1.0),
+    ("\\boxed{1000}", "\\$1,000", 1.0),
+    ("\\boxed{19.90}", "\\$18.90", 0.0),
+    ("\\boxed{18.90}", "$18.90$", 1.0),
 ]
 
 
@@ -145,3 +151,24 @@ def test_compute_rewards_accepts_real_numbers():
     np = pytest.importorskip("numpy")
     assert compute_rewards(lambda r, a: np.float32(0.5), ["a"], ["b"], ["q"]) == [0.5]
     assert compute_rewards(lambda r, a: True, ["a"], ["b"], ["q"]) == [1.0]
+
+
+def test_truncated_answer_line_scores_zero_for_answer_line_rewards():
+    # "#### 5" cut from "#### 58" by the token limit scored as the answer 5.
+    got = compute_rewards("arith", ["#### 5", "#### 5", "#### 58"], ["5", "5", "58"], ["a", "b", "c"],
+                          truncated=[True, False, False])
+    assert got == [0.0, 1.0, 1.0]
+    assert compute_rewards("sort", ["#### [1,2]"], ["[1,2]"], ["a"], truncated=[True]) == [0.0]
+    # math: a closed box is an answer even in a truncated response (an unclosed one is not)
+    assert compute_rewards("math", ["\\boxed{5} and then", "\\boxed{5"], ["5", "5"], ["a", "b"],
+                           truncated=[True, True]) == [1.0, 0.0]
+    # user rewards keep their own rule unless they ask for it
+    assert compute_rewards(lambda r, a: 1.0, ["x"], ["y"], ["a"], truncated=[True]) == [1.0]
+    with pytest.raises(ValueError, match="1 truncated flags for 2 responses"):
+        compute_rewards("arith", ["a", "b"], ["1", "2"], ["p", "q"], truncated=[True])
+
+
+def test_sort_reward_ignores_whitespace_around_the_reference():
+    for ref in ("[1,2,3]\n", "\t[1, 2, 3]", "[1,2,3]\r\n"):
+        assert compute_rewards("sort", ["#### [1, 2, 3]"], [ref], ["a"]) == [1.0], repr(ref)
+    assert compute_rewards("sort", ["#### [1, 3, 2]"], ["[1,2,3]\n"], ["a"]) == [0.0]
