@@ -364,6 +364,7 @@ class DecodeRunner:
             return None
         tree_mask = tree_mask.to("cpu", torch.bool)
         self._drop_if_kv_moved()
+        self._decode_graphs_first()
         st = self._verify_stage(bucket, q)
         v = st["views"]
         if self.use_graphs and (bucket, q) not in self._vgraphs:
@@ -617,6 +618,13 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
 
+    def _decode_graphs_first(self) -> None:
+        """Capture the decode graphs before the first verify graph: capture() releases
+        every graph, so verify graphs captured before the first decode step were dropped
+        there and recaptured one by one, mid-run, as they were next used."""
+        if self.use_graphs and not self._graphs:
+            self.capture()
+
     def _drop_if_kv_moved(self) -> None:
         """Release every graph when the KV pool moved since they were captured (sleep/wake):
         they read stale addresses."""
@@ -639,6 +647,7 @@ class DecodeRunner:
         if self.cache.is_sleeping:
             raise RuntimeError("DecodeRunner.capture_verify_graphs() while the KV cache is asleep; wake() first")
         self._drop_if_kv_moved()
+        self._decode_graphs_first()
         top = self.bucket_for(min(max_batch, self.max_batch))
         n = 0
         for bucket in self.buckets[:self.buckets.index(top) + 1]:

@@ -142,10 +142,13 @@ class EngineWeights:
         """Copy `named_tensors` (HF naming, any dtype/device) into the engine's storage.
 
         Partial updates are allowed (a resharder may stream buckets, each call with the same
-        version). All names and shapes are checked before anything is written, so a bad call
-        changes nothing. `version` must not go backwards; it becomes `self.version`.
+        version). Names, types (real floating-point torch tensors with data), shapes and the
+        version are checked before anything is written, so a bad call changes nothing.
+        `version` (an int) must not go backwards; it becomes `self.version`.
         """
-        if not isinstance(version, int) or version < self.version:
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TLTError(f"update_weights: policy version must be an int, got {version!r}")
+        if version < self.version:
             raise TLTError(f"update_weights: policy version {version!r} is older than the "
                            f"engine's current version {self.version}")
         for name, t in named_tensors.items():
@@ -153,6 +156,11 @@ class EngineWeights:
             if view is None:
                 raise TLTError(f"update_weights: unknown tensor name {name!r} for a "
                                f"{self.arch.family} model with {self.arch.num_layers} layers")
+            if not isinstance(t, torch.Tensor) or t.is_meta or not t.dtype.is_floating_point:
+                what = (f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else
+                        "a meta tensor (no data)" if t.is_meta else f"a {t.dtype} tensor")
+                raise TLTError(f"update_weights: tensor {name!r} is {what}; expected a real "
+                               f"floating-point torch.Tensor")
             if tuple(t.shape) != tuple(view.shape):
                 raise TLTError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, "
                                f"the engine expects {tuple(view.shape)}")

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -61,6 +62,17 @@ def test_update_weights_errors_change_nothing(hf_models):
     with pytest.raises(TLTError, match=r"'model.layers.0.self_attn.v_proj.bias' has shape \(5,\), "
                                        r"the engine expects \(32,\)"):
         w.update_weights({**good, "model.layers.0.self_attn.v_proj.bias": torch.zeros(5)}, version=1)
+    # Wrong types were found only while copying, after earlier entries were written
+    # (mixed weights under the old version); bool versions were stored as the version.
+    norm = "model.layers.0.input_layernorm.weight"
+    for bad, what in ((np.zeros(arch.hidden_size, dtype=np.float32), "a ndarray"),
+                      (torch.zeros(arch.hidden_size, device="meta"), "a meta tensor"),
+                      (torch.zeros(arch.hidden_size, dtype=torch.complex64), "a torch.complex64 tensor"),
+                      (torch.zeros(arch.hidden_size, dtype=torch.bool), "a torch.bool tensor")):
+        with pytest.raises(TLTError, match=f"tensor {norm!r} is {what}"):
+            w.update_weights({**good, norm: bad}, version=1)
+    with pytest.raises(TLTError, match="policy version must be an int, got True"):
+        w.update_weights(good, version=True)
     assert all(torch.equal(a, b) for a, b in zip(before, w.tensors()))
     assert w.version == 0
     w.update_weights(good, version=3)
