@@ -1,7 +1,10 @@
 """Tokenizers: the built-in character-level one, and HF tokenizer directories.
 
 `load_tokenizer(path_or_name)` returns a `Tokenizer`, a thin wrapper that gives
-every backend the same small surface: ``encode`` (never adds special tokens),
+every backend the same small surface: ``encode`` (never adds special tokens; text
+that spells one, ``<eos>`` or a chat marker, is read as that token, as HF tokenizers
+do, so pre-rendered chat markers in SFT data work: a dataset whose text holds such
+strings literally gets control ids there),
 ``decode``, ``bos_id``/``eos_id``/``pad_id``, ``vocab_size``, ``apply_chat_template``
 and ``encode_prompt`` (what the rollout engine feeds the model for a prompt).
 
