@@ -458,7 +458,9 @@ class DecodeRunner:
         # change on a batch-invariant engine, but a bf16 recompute rounds differently).
         need = 0
         for s in seqs:
-            if cache.blocks_for(s.num_computed + 2 * q) > w:
+            # max_model_len too: the table's width rounds it up to whole blocks, and a
+            # position past it would read beyond the RoPE table (SpecDecoder checks it first)
+            if s.num_computed + 2 * q > self.max_model_len or cache.blocks_for(s.num_computed + 2 * q) > w:
                 return None
             need += cache.extra_blocks_needed(s.seq_id, s.num_computed + 2 * q)
         if need and need + bsz > cache.num_free_blocks:

@@ -184,6 +184,7 @@ class RolloutEngine:
         hold the pool's address: they are dropped here and recaptured at the next decode;
         so are the speculative decoder's verification buffers and graphs (hundreds of MB
         of [batch x tree nodes x vocabulary] rows on real vocabularies)."""
+        self.cache.check_idle()  # before the graphs go: a refused sleep leaves them
         if self.decode_runner is not None:
             self.decode_runner.release()
         if self.spec_decoder is not None:

@@ -57,11 +57,15 @@ class PagedKVCache:
         return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
                 * torch.empty((), dtype=self.dtype).element_size())
 
-    def sleep(self) -> None:
-        """Free the pool's memory. Only allowed when no sequence holds blocks."""
+    def check_idle(self) -> None:
+        """RuntimeError unless no sequence holds blocks (what sleep() needs)."""
         if self._tables:
             raise RuntimeError(f"PagedKVCache.sleep() with {len(self._tables)} sequences holding "
                                f"blocks; finish or free them first (sleep is only allowed when idle)")
+
+    def sleep(self) -> None:
+        """Free the pool's memory. Only allowed when no sequence holds blocks."""
+        self.check_idle()
         self.k, self.v, self._pool = [], [], None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

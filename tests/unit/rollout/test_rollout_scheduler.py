@@ -1,5 +1,7 @@
 """Continuous batching, preemption by recompute, seeds vs batch composition, sleep/wake."""
 
+import types
+
 import pytest
 import torch
 
@@ -113,7 +115,11 @@ def test_sleep_wake(hf_models):
     # Sleeping while a sequence holds KV blocks is refused (KV would be lost silently).
     s = eng.add_sequence(reqs[0])
     eng.forward_pending([s])
+    runner, released = eng.decode_runner, []
+    eng.decode_runner = types.SimpleNamespace(release=lambda: released.append(1))
     with pytest.raises(RuntimeError, match="only allowed when idle"):
         eng.sleep()
+    assert released == []  # a refused sleep keeps the graphs (they were dropped first)
+    eng.decode_runner = runner
     eng.free_sequence(s)
     eng.sleep()
