@@ -123,13 +123,10 @@
 #             (triton_linear._GLU=1: one launch fewer a layer; 0.924x-1.004x on session
 #             33's H100), a 16 MB one-row attention prefetch and an 8 MB one at every batch
 #             (gpu_model.ATTN_L2_PREFETCH_MB=8) (~2.5 min)
-#   s42       H200 diagnostics of the 1.5B batch-1 step: tools/ablate_decode.py (what each kind
-#             of kernel adds inside the graph) and tools/profile_decode.py (kernel times, the
-#             forward graph alone), then bench rollout 1.5B batch 1, twice, against knobs
-#             only timed on H100s (the one-row L2 prefetch at 4 MB / off, RMSNorm at 4 / 8
-#             warps, FMA_WIDE, the in-kernel split merge, 4-warp attention; the default
-#             restated as the noise floor), then tests/gpu/test_engine_gpu.py (~8 min); the
-#             float16 optimizer's GPU test before the A/B
+#   s42       the float16 optimizer's GPU test, tests/gpu/test_engine_gpu.py and
+#             test_eagle_graph_gpu.py (decode graphs now captured before verify graphs), then
+#             on an H200 tools/ablate_decode.py at 1.5B batch 1 (what each kind of kernel adds
+#             inside the graph; ~2 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -528,28 +525,14 @@ PYEOF
         --compare-attr "env:MEGATRON_TLT_PDL_PREFETCH_MB=32" --compare-attr "megatron_tlt.rollout.triton_linear:_GLU=1" \
         --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=16" --compare-attr "$G:ATTN_L2_PREFETCH_MB=8" ;;
   s42)
-    timeout "$(upto 420)" $PY tools/ablate_decode.py --shape 1.5b --batch-sizes 1 --rounds 2 \
-        --json "$RESULTS/ablate_1p5b_b1.json" 2>&1 | grep -v Warn > "$RESULTS/ablate_1p5b_b1.log"
-    echo "[runbook] ablate: at $(( $(date +%s) - t0 )) s"
-    tail -n 13 "$RESULTS/ablate_1p5b_b1.log"
-    timeout "$(upto 380)" $PY tools/profile_decode.py --shape 1.5b --batch 1 \
-        --json "$RESULTS/profile_1p5b_b1.json" > "$RESULTS/profile_1p5b_b1.log" 2>&1
-    echo "[runbook] profile: rc=$? at $(( $(date +%s) - t0 )) s"
-    grep -E "us/step|rror" "$RESULTS/profile_1p5b_b1.log" | head -n 4
-    pytest_stage fp16 300 gpu_tests_fp16.log tests/gpu/test_optim_fp16_gpu.py
-    for r in 1 2; do
-      timeout "$(upto 300)" $PY -m megatron_tlt bench rollout --json "$RESULTS/bench_rollout_s42_$r.json" \
-          --shapes 1.5b --batch-sizes 1 --no-hf \
-          --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=None" --compare-attr "$G:ATTN_L2_PREFETCH_MB=0" \
-          --compare-attr "$G:NORM_WARPS=4" --compare-attr "$G:NORM_WARPS=8" \
-          --compare-attr "megatron_tlt.rollout.triton_linear:FMA_WIDE=True" \
-          --compare-attr "megatron_tlt.rollout.triton_attention:_MERGE=True" \
-          --compare-attr "$G:ROPE_ATTENTION_WARPS=4" --compare-attr "$G:ATTN_L2_PREFETCH_MB_FEW=8" \
-          > "$RESULTS/bench_rollout_s42_$r.log" 2>&1
-      echo "[runbook] s42_$r bench: rc=$? at $(( $(date +%s) - t0 )) s"
-      grep -E "^ *(shape|1.5b|7b) |rror" "$RESULTS/bench_rollout_s42_$r.log" | tail -n 4
-    done
-    pytest_stage engine 0 gpu_tests_engine.log tests/gpu/test_engine_gpu.py ;;
+    pytest_stage gpu 200 gpu_tests_s42.log tests/gpu/test_optim_fp16_gpu.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_eagle_graph_gpu.py
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      timeout "$(upto 5)" $PY tools/ablate_decode.py --shape 1.5b --batch-sizes 1 --rounds 2 \
+          --json "$RESULTS/ablate_1p5b_b1.json" 2>&1 | grep -v Warn > "$RESULTS/ablate_1p5b_b1.log"
+      echo "[runbook] ablate: at $(( $(date +%s) - t0 )) s"
+      tail -n 13 "$RESULTS/ablate_1p5b_b1.log"
+    fi ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
