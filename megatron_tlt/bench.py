@@ -21,7 +21,8 @@ What is measured, per model shape and batch size B:
 - `engine_ms_per_step`: the whole `RolloutEngine.generate` (scheduler, input upload,
   graph replay, on-device greedy sampling, one host sync and the stop checks per step)
   from wall-clock time, as (t(n_long) - t(n_short)) / (n_long - n_short) so prefill
-  cancels; median over repeats.
+  cancels; median over up to 3 repeats, after an untimed call of each length. Its steps
+  run at shorter contexts than decode_ms's (`generate_mean_context` vs `mean_context`).
 - roofline: bytes a decode step must read — every weight once (the tied LM head is the
   embedding, read once; an untied embedding contributes only its B looked-up rows) plus
   the K/V of the batch's mean context over the timed steps — divided by the measured
@@ -33,7 +34,10 @@ What is measured, per model shape and batch size B:
   `--hf-modes` (compiled: generate's own torch.compile of the decode step, its default on
   CUDA; eager: `disable_compile=True`), the SAME weights copied into a model built from
   the config on the device, the same prompts; ms/step by the same differencing. The
-  faster mode is the baseline (`hf_ms_per_step`, `hf_mode`).
+  faster mode is the baseline (`hf_ms_per_step`, `hf_mode`). The speedup over HF is
+  `hf_over_engine` (whole generate calls, both with their host work);
+  `hf_over_decode` sets our device decode loop (no host work) against HF's whole
+  generate, an upper bound.
 """
 
 from __future__ import annotations
@@ -351,7 +355,11 @@ def time_engine_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps
 
 
 def time_generate(fn, n_short: int, n_long: int, repeats: int, clock: _Clock):
-    """Median ms per generated token step of `fn(n)` by differencing two lengths."""
+    """Median ms per generated token step of `fn(n)` by differencing two lengths, after
+    one untimed call of each length (torch.compile, graph capture and the planner's
+    timing happen there: with one or two repeats a cold call decided the median)."""
+    fn(n_short)
+    fn(n_long)
     per_step, last = [], None
     for _ in range(repeats):
         clock.sync()
@@ -564,6 +572,8 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
     rows = []
     engine_tokens = {}
     mean_ctx = p_len + 1 + args.warmup + (args.steps * args.repeats - 1) / 2
+    # the differenced steps of generate (engine and HF): contexts p_len + n_short .. + n_long - 1
+    gen_ctx = p_len + (n_short + n_long - 1) / 2
     for b in sorted(set(batch_sizes + hf_sizes)):
         row: dict = {"shape": name, "batch": b, "in_batch_sizes": b in batch_sizes,
                      "mean_context": mean_ctx, "errors": []}
@@ -589,6 +599,7 @@ def run_shape(name: str, args, plan: _Plan, log) -> tuple[list[dict], list[dict]
             row["errors"].append(f"generate: {type(e).__name__}: {e}")
             log(f"[{name}] B={b}: engine.generate failed: {traceback.format_exc()}")
         row["engine_ms_per_step"] = e2e_ms
+        row["generate_mean_context"] = gen_ctx
         d = row["decode_ms"]
         row["decode_tokens_per_s"] = b * 1e3 / d if d and d > 0 else None
         row["engine_tokens_per_s"] = b * 1e3 / e2e_ms if e2e_ms and e2e_ms > 0 else None
@@ -884,13 +895,24 @@ def _report(args: argparse.Namespace, opts: argparse.Namespace, plan, shapes: li
             "decode_ms": "graph replay + on-device greedy argmax + input update, CUDA events, "
                          "median of repeats (backend torch: forward_pending + sample_and_append)",
             "engine_ms_per_step": "RolloutEngine.generate wall time per token step "
-                                  "(differenced lengths, prefill cancels)",
-            "roofline_ms": "(all weights once + KV of the mean context) / max(copy read+write "
-                           "bandwidth, read-only sum bandwidth)",
+                                  "(differenced lengths, prefill cancels; after an untimed call "
+                                  "of each length), at contexts of mean generate_mean_context",
+            "mean_context": "the mean context of decode_ms's timed steps (its KV is in the roofline)",
+            "generate_mean_context": "the mean context of the differenced steps of engine_ms_per_step "
+                                     "and hf_ms_per_step (shorter than mean_context: their KV reads "
+                                     "are fewer)",
+            "roofline_ms": "(every weight once, an untied embedding only its B looked-up rows, + KV "
+                           "of the mean context) / max(copy read+write bandwidth, read-only sum "
+                           "bandwidth)",
             "of_roofline": "roofline_ms / decode_ms",
+            "hf_over_engine": "hf_ms_per_step / engine_ms_per_step: whole generate calls against "
+                              "each other, the speedup over HF",
+            "hf_over_decode": "hf_ms_per_step / decode_ms: HF's whole generate against our device "
+                              "decode loop (no host work), an upper bound of the speedup",
             "hf_ms_per_step": "transformers generate, static cache, greedy, the faster of its "
                               "compiled (generate's auto torch.compile) and eager modes "
-                              "(differenced lengths; hf_ms_by_mode has both)",
+                              "(differenced lengths after an untimed call of each; hf_ms_by_mode "
+                              "has both)",
             "decode_ms_cublas": "decode_ms with every projection on cuBLAS (LinearPlanner fixed)",
             "decode_ms_pdl": "decode_ms with programmatic dependent launch (--compare-pdl, when "
                              "decode_ms ran without it; decode_ms_nopdl the converse)",
@@ -912,7 +934,8 @@ def _report(args: argparse.Namespace, opts: argparse.Namespace, plan, shapes: li
             "complete": "false in the JSON written after each shape but the last (the shapes "
                         "timed so far); true once the run has ended",
             "linear_plans": "per projection shape (m, n, k): the kernel LinearPlanner chose and "
-                            "the microseconds it timed for each candidate; entries with "
+                            "the microseconds it timed for each candidate (the process's shared "
+                            "planner: a shape's list holds every shape timed so far); entries with "
                             "'fused' (norm / silu): the prologue-fused config chosen (None: "
                             "the separate kernel) with its and the separate pair's us",
         },

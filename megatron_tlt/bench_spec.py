@@ -9,8 +9,8 @@ target, side by side in one run, per batch size.
 For each batch size B, the first B prompts (synthetic tasks, or a prompts file) are
 generated with `--spec off` and with each drafter, on ONE engine (same weights, same
 cache, the job's fast path: Triton + CUDA graphs on a GPU), the order alternating between
-repeats. Reported per (B, mode): wall seconds (median of repeats), generated tokens,
-tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py); then
+repeats. Reported per (B, mode): each repeat's wall seconds and generated tokens
+(`repeats`), the median tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py); then
 `speedup` = SD tokens/s / off tokens/s. At temperature > 0 the modes draw different
 tokens (lossless means same distribution, not same samples), so response lengths differ:
 tokens/s, not wall time, is the comparable figure; the mean lengths are reported too.

@@ -164,3 +164,24 @@ def test_bench_rollout_keeps_the_shapes_done_when_a_later_one_dies(tmp_path, mon
     assert main(args) == 0
     report = json.loads(path.read_text())
     assert report["complete"] is True and len(report["results"]) == 2
+
+
+def test_time_generate_warms_each_length_up_untimed(monkeypatch):
+    """The first call of each length (torch.compile, graph capture) is untimed: with one
+    repeat it was the measurement (HF's compiled mode took 80-91 s there on the H200). A
+    virtual clock: each call costs n ms, and its first call of a length a cold cost that
+    differs by length; the per-step figure must be exactly 1 ms."""
+    from megatron_tlt import bench
+
+    now, calls = [0.0], []
+    cold = {8: 0.5, 40: 2.0}  # seconds
+
+    def fn(n):
+        calls.append(n)
+        now[0] += n * 1e-3 + (cold.pop(n) if n in cold else 0.0)
+        return n
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    ms, last = bench.time_generate(fn, 8, 40, 1, bench._Clock(torch.device("cpu")))
+    assert calls[:2] == [8, 40] and len(calls) == 4 and last == 40
+    assert ms == pytest.approx(1.0)
