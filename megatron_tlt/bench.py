@@ -268,6 +268,13 @@ def _version(module: str) -> str | None:
 # ---------------------------------------------------------------------- measurements
 
 
+FUSED_ADVANCE = False
+"""decode_ms's greedy argmax and input update as one kernel (DecodeRunner.advance_greedy)
+instead of a dozen torch ops (~44 us of the 1.5B batch-1 step on session 42's H200). Off
+until timed side by side (bench rollout --compare-attr megatron_tlt.bench:FUSED_ADVANCE=True);
+read at each timing."""
+
+
 def time_device_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps: int,
                        repeats: int, warmup: int) -> float:
     """decode_ms (see module docstring) for len(prompts) sequences."""
@@ -287,6 +294,9 @@ def time_device_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps
         page = engine.cache.block_size
 
         def advance(logits: torch.Tensor) -> None:  # next inputs, on the device
+            if FUSED_ADVANCE:
+                runner.advance_greedy(b, logits)
+                return
             x["input_ids"][:b].copy_(torch.argmax(logits[:b], dim=-1))
             x["positions"][:b].add_(1)
             x["context_lens"][:b].add_(1)

@@ -127,6 +127,12 @@
 #             test_eagle_graph_gpu.py (decode graphs now captured before verify graphs), then
 #             on an H200 tools/ablate_decode.py at 1.5B batch 1 (what each kind of kernel adds
 #             inside the graph; ~2 min)
+#   s43       the one-launch argmax + input update of bench's device loop: its GPU test, then
+#             bench rollout at batch 1 / 32, twice, against bench.FUSED_ADVANCE=True (~44 us of
+#             the 1.5B batch-1 step on session 42's H200 is the loop's dozen torch launches) and
+#             the split merge inside the attention kernel (triton_attention._MERGE: the
+#             separate merge cost 34 us there); S43_FULL=1 runs the issue's benchmark first on
+#             an H200 (default 0: the defaults did not change) (~3 min)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -533,6 +539,11 @@ PYEOF
       echo "[runbook] ablate: at $(( $(date +%s) - t0 )) s"
       tail -n 13 "$RESULTS/ablate_1p5b_b1.log"
     fi ;;
+  s43)
+    pytest_stage advance 300 gpu_tests_advance.log tests/gpu/test_triton_sample_gpu.py -k greedy_advance
+    issue_then_ab s43 "${S43_FULL:-0}" "${S43_RESERVE:-150}" --batch-sizes 1,32 \
+        --compare-attr "megatron_tlt.bench:FUSED_ADVANCE=True" \
+        --compare-attr "megatron_tlt.rollout.triton_attention:_MERGE=True" ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
@@ -544,6 +555,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 s41 s42 lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 s41 s42 s43 lsweep gputests)" ;;
 esac
 exit 0

@@ -201,6 +201,16 @@ class DecodeRunner:
         return {"input_ids": m[:, _ID], "positions": m[:, _POS], "slot_mapping": m[:, _SLOT],
                 "context_lens": m[:, _CTX], "block_tables": m[:, _NCOL:]}
 
+    def advance_greedy(self, n: int, logits: torch.Tensor) -> None:
+        """A device decode loop's step (bench rollout's): the first `n` rows of the input
+        buffer take argmax(logits) as their next token, their position and context length
+        + 1 and that position's slot, in one launch (triton_sample.greedy_advance). The
+        sequences' blocks must already hold the next position (cache.ensure)."""
+        from megatron_tlt.rollout.triton_sample import greedy_advance
+
+        greedy_advance(logits[:n], self._meta, self.cache.block_size, id_col=_ID, pos_col=_POS,
+                       slot_col=_SLOT, ctx_col=_CTX, table_col=_NCOL)
+
     def prepare(self, seqs) -> int:
         """Write the decode inputs of `seqs` (each with one pending token, its blocks
         allocated) into the static buffer; returns the bucket."""

@@ -96,3 +96,46 @@ def test_draws_follow_the_softmax():
     assert 0.5 * (counts / n - p).abs().sum().item() < 0.01
     wrong = torch.softmax(x.double() / 1.0, -1).cpu()
     assert chisquare(counts.numpy(), (wrong * n).numpy()).pvalue < 1e-4
+
+
+@pytest.mark.parametrize("n,v", [(1, 151936), (8, 151936), (5, 32001)])
+def test_greedy_advance_equals_the_torch_ops_on_the_device(n, v):
+    """triton_sample.greedy_advance (bench.FUSED_ADVANCE's kernel) == the torch ops it
+    replaces, the whole input buffer torch.equal: ties, a NaN row, an all -inf row,
+    positions crossing a block boundary; a changed logit changes a token (negative control)."""
+    from megatron_tlt.rollout import cuda_graphs as cg
+    from megatron_tlt.rollout.triton_sample import greedy_advance
+
+    g = torch.Generator(device="cuda").manual_seed(n + v)
+    page, width = 16, 12
+    logits = torch.randn(n, v, device=CUDA, generator=g)
+    if n > 1:
+        logits[1] = torch.randint(0, 3, (v,), device=CUDA, generator=g).float()
+    if n > 2:
+        logits[2, [v // 3, 5, v - 1]] = float("nan")
+    if n > 3:
+        logits[3] = float("-inf")
+    meta = torch.zeros(n, cg._NCOL + width, dtype=torch.int32, device=CUDA)
+    meta[:, cg._NCOL:] = torch.randperm(n * width, device=CUDA, generator=g).view(n, width).int()
+    pos = torch.arange(n, dtype=torch.int32, device=CUDA) * 13 + 15  # 15 -> 16: a new block
+    meta[:, cg._POS], meta[:, cg._CTX] = pos, pos + 1
+
+    def reference(m):
+        m = m.clone()
+        m[:, cg._ID].copy_(torch.argmax(logits, dim=-1))
+        m[:, cg._POS].add_(1)
+        m[:, cg._CTX].add_(1)
+        p = m[:, cg._POS].long()
+        blk = m[:, cg._NCOL:].gather(1, (p // page)[:, None])[:, 0].long()
+        m[:, cg._SLOT].copy_(blk * page + p % page)
+        return m
+
+    want = reference(meta)
+    got = meta.clone()
+    kw = dict(id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT, ctx_col=cg._CTX, table_col=cg._NCOL)
+    greedy_advance(logits, got, page, **kw)
+    assert torch.equal(got, want)
+    logits[0, (int(want[0, cg._ID]) + 1) % v] = 1e9
+    again = meta.clone()
+    greedy_advance(logits, again, page, **kw)
+    assert not torch.equal(again, want)

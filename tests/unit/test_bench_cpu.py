@@ -79,6 +79,31 @@ def test_bench_rollout_cpu_triton_backend_device_loop(tmp_path):
     assert row["batch"] == 3 and row["decode_ms"] > 0 and row["engine_ms_per_step"] != 0
 
 
+def test_device_loop_fused_advance_walks_the_same_inputs(monkeypatch):
+    """bench.FUSED_ADVANCE (the loop's argmax and input update in one kernel) leaves the
+    runner's input buffer exactly where the torch ops do after the same steps (tokens,
+    positions, slots, context lengths, torch.equal); the Triton interpreter, no graphs."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is set up only on CPU-only machines")
+    from megatron_tlt import bench
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.rollout import EngineWeights, RolloutEngine
+
+    arch = ModelArch(**bench.SHAPES["tiny"])
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, arch.vocab_size, (3, 5), generator=g).tolist()
+    metas = []
+    for fused in (False, True):
+        monkeypatch.setattr(bench, "FUSED_ADVANCE", fused)
+        eng = RolloutEngine(arch, EngineWeights.make_dummy(arch, seed=1), max_num_seqs=4, num_blocks=32,
+                            block_size=4, max_model_len=40, attention_backend="triton")
+        assert bench.time_device_decode(eng, prompts, steps=3, repeats=2, warmup=1) > 0
+        metas.append(eng.decode_runner._meta.clone())
+    assert torch.equal(metas[0], metas[1])
+    assert int(metas[0][0, 1]) == 5 + 1 + 3 * 2  # the position after 5 prompt tokens, 1 + 6 steps
+
+
 def test_variant_table_sets_the_ab_timings_side_by_side():
     from megatron_tlt.bench import variant_table
     assert variant_table([{"shape": "1.5b", "batch": 1, "decode_ms": 1.5}]) == []

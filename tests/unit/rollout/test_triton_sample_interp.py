@@ -123,3 +123,66 @@ def test_rejects_bad_inputs():
         sample_fused(x, t, k, k[:1])
     out = sample_fused(torch.zeros(0, 10), torch.ones(0), k[:0], k[:0])
     assert all(o.shape == (0,) for o in out)
+
+
+def _torch_advance(logits, meta, n, page):
+    """bench.py's device loop step in torch ops (FUSED_ADVANCE off)."""
+    from megatron_tlt.rollout import cuda_graphs as cg
+
+    ids, pos, slot, ctx, tab = (meta[:n, cg._ID], meta[:n, cg._POS], meta[:n, cg._SLOT],
+                                meta[:n, cg._CTX], meta[:n, cg._NCOL:])
+    ids.copy_(torch.argmax(logits[:n], dim=-1))
+    pos.add_(1)
+    ctx.add_(1)
+    p = pos.long()
+    blk = tab.gather(1, (p // page)[:, None])[:, 0].long()
+    slot.copy_(blk * page + p % page)
+
+
+@pytest.mark.parametrize("v", [1, 7, 4096, 4097, 9000])
+def test_greedy_advance_equals_the_torch_ops(v):
+    """DecodeRunner.advance_greedy's kernel == the torch ops it replaces, every column of the
+    input buffer, torch.equal: ties (lowest id), NaN rows (the first NaN), all -inf rows,
+    rows past n untouched, positions crossing a block boundary."""
+    from megatron_tlt.rollout import cuda_graphs as cg
+    from megatron_tlt.rollout.triton_sample import greedy_advance
+
+    g = torch.Generator().manual_seed(v)
+    n, bucket, page, width = 6, 8, 4, 5
+    logits = torch.randn(bucket, v, generator=g)
+    logits[1] = torch.randint(0, 3, (v,), generator=g).float()  # ties
+    if v > 3:
+        logits[2, [v // 3, 2, v - 1]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = 50.0  # the last column
+    meta = torch.zeros(bucket, cg._NCOL + width, dtype=torch.int32)
+    meta[:, cg._NCOL:] = torch.randperm(bucket * width, generator=g).view(bucket, width).int()
+    positions = torch.tensor([0, 3, 7, 10, 14, 2, 5, 6], dtype=torch.int32)  # 3 -> 4, 7 -> 8: new blocks
+    meta[:, cg._POS], meta[:, cg._CTX] = positions, positions + 1
+    want = meta.clone()
+    _torch_advance(logits, want, n, page)
+    got = meta.clone()
+    greedy_advance(logits[:n], got, page, id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT,
+                   ctx_col=cg._CTX, table_col=cg._NCOL)
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(got[n:], meta[n:])
+    if v > 3:
+        assert int(got[2, cg._ID]) == 2  # the first NaN
+    assert int(got[3, cg._ID]) == 0  # all -inf: torch.argmax's 0
+
+
+def test_greedy_advance_negative_control():
+    """A different token in one row must show (the comparison above can fail)."""
+    from megatron_tlt.rollout import cuda_graphs as cg
+    from megatron_tlt.rollout.triton_sample import greedy_advance
+
+    logits = torch.zeros(2, 10)
+    logits[0, 3], logits[1, 5] = 1.0, 1.0
+    meta = torch.zeros(2, cg._NCOL + 2, dtype=torch.int32)
+    want = meta.clone()
+    _torch_advance(logits, want, 2, 4)
+    logits[1, 6] = 2.0
+    got = meta.clone()
+    greedy_advance(logits, got, 4, id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT,
+                   ctx_col=cg._CTX, table_col=cg._NCOL)
+    assert not torch.equal(got, want) and int(got[1, cg._ID]) == 6
