@@ -276,6 +276,11 @@ def _prepare(op, parents, draft_tokens, target_probs, draft_probs, coins, exp_no
         _check_meta("out.accept_index", out.accept_index, torch.int64, shape, device)
         _check_meta("out.accept_length", out.accept_length, torch.int64, (batch,), device)
         _check_meta("out.output_tokens", out.output_tokens, torch.int64, shape, device)
+        for name in ("accept_index", "accept_length", "output_tokens"):
+            # the kernels write contiguous buffers; checked here so that the reference path
+            # refuses the same buffers ("auto" changes speed only, never what is accepted)
+            if not getattr(out, name).is_contiguous():
+                raise ValueError(f"out.{name} must be contiguous, got strides {getattr(out, name).stride()}")
     return max_depth, out
 
 

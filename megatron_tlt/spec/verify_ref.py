@@ -90,7 +90,8 @@ def tree_depths(parents: torch.Tensor, draft_tokens: torch.Tensor, vocab: int) -
     depth = torch.full_like(parents, -1)
     depth[:, 0] = 0
     for i in range(1, parents.shape[1]):
-        parent_depth = depth.gather(1, parents[:, i : i + 1].clamp(min=0)).squeeze(1)
+        # clamped both ways: an out-of-range parent is padding (`valid` is False there)
+        parent_depth = depth.gather(1, parents[:, i : i + 1].clamp(0, parents.shape[1] - 1)).squeeze(1)
         depth[:, i] = torch.where(valid[:, i] & (parent_depth >= 0), parent_depth + 1, -1)
     return depth
 

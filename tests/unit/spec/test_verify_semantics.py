@@ -98,6 +98,30 @@ def test_padding_nodes_are_skipped(impl):
     assert as_lists(out) == ([0, 1, 3], 2, [1, 2, 3])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_parent_is_padding_without_validation(impl):
+    # validate=False: a parent index past the tree is padding for the kernels; the
+    # reference's depth pass raised an IndexError on it (the kernel path too: it computes
+    # the depth first)
+    parents, tokens = ints(-1, 0, 7, 1), ints(0, 1, 2, 2)
+    target = one_hot_rows(1, 2, 0, 3, vocab=4).unsqueeze(0)
+    out = verify_tree_greedy(parents, tokens, target, impl=impl, validate=False)
+    assert as_lists(out) == ([0, 1, 3], 2, [1, 2, 3])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_out_is_refused_by_both_paths(impl):
+    # the kernels need contiguous buffers; the reference accepted this one, so "auto"
+    # changed what a call does, not only its speed
+    parents, tokens = ints(-1, 0, 1), ints(0, 1, 2)
+    target = one_hot_rows(1, 2, 3, vocab=4).unsqueeze(0)
+    out = VerifyOutput(accept_index=torch.empty(1, 10, dtype=torch.int64)[:, 0:6:2],
+                       accept_length=torch.empty(1, dtype=torch.int64),
+                       output_tokens=torch.empty(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out.accept_index must be contiguous"):
+        verify_tree_greedy(parents, tokens, target, out=out, impl=impl, max_depth=2)
+
+
 # ---- rejection sampling ----------------------------------------------------------------
 
 
