@@ -492,9 +492,11 @@ class RLRun:
             nseq = torch.tensor([float(len(rows))], device=self.actor.device)
             dist.all_reduce(ntok, group=ps.get_data_parallel_group())
             dist.all_reduce(nseq, group=ps.get_data_parallel_group())
-            if old is not None:
-                mism = [((o - mb.extra["rollout_logp"]).abs() * mb.loss_mask).sum() for o, mb in zip(old, mbs)]
-                m["train_infer_logp_gap"] = float(sum(mism)) / max(float(ntok) / self.dp, 1.0)
+            if old is not None:  # the mean over every DP rank's tokens (the sum all-reduced too)
+                gap = torch.stack([((o - mb.extra["rollout_logp"]).abs() * mb.loss_mask).sum()
+                                   for o, mb in zip(old, mbs)]).sum().reshape(1).to(ntok)
+                dist.all_reduce(gap, group=ps.get_data_parallel_group())
+                m["train_infer_logp_gap"] = float(gap) / max(float(ntok), 1.0)
             self.engine.sleep()
             t1 = time.perf_counter()
             m["lr"] = lr_for_step(cfg, self.step)
@@ -507,6 +509,15 @@ class RLRun:
             m["t_update"] = time.perf_counter() - t1
             m["t_logprobs"] = t_lp
             m.update(upd)
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                # The loss figures exist on the last pipeline stage only; the metrics are
+                # written by global rank 0, a first-stage rank.
+                last = ps.is_pipeline_last_stage()
+                box = [{k: v for k, v in m.items() if k in upd or k == "train_infer_logp_gap"} if last else None]
+                dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                           group=ps.get_pipeline_model_parallel_group())
+                for k, v in box[0].items():
+                    m.setdefault(k, v)
             self.engine.wake()
         t2 = time.perf_counter()
         stats = sync_actor_to_engine(self.actor, self.engine, version=self.step + 1)

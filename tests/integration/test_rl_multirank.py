@@ -68,3 +68,16 @@ def test_ledger_lists_every_dp_ranks_prompts(run_torchrun, tmp_path):
     assert not set(ledger[0]["prompt_ids"]) & set(ledger[1]["prompt_ids"])  # one epoch: no repeats
     metrics = [json.loads(line) for line in _metrics(out)]
     assert [r["groups"] for r in metrics] == [2, 2], metrics
+
+
+def test_pp2_logs_the_loss_metrics(run_torchrun, tmp_path):
+    """PP=2: the loss figures exist on the last pipeline stage only and the metrics are
+    written by global rank 0, a first-stage rank: pg_loss, clip_frac, ... were never logged
+    (the progress bar showed loss=0.000)."""
+    import json
+
+    out = tmp_path / "run"
+    run_torchrun(CLI, 2, BASE + ["parallel.pp=2", "train.steps=1", f"train.out_dir={out}"], timeout=400)
+    (row,) = [json.loads(line) for line in _metrics(out)]
+    for key in ("pg_loss", "clip_frac", "ratio_mean", "approx_kl_old", "train_infer_logp_gap", "grad_norm"):
+        assert key in row, (key, sorted(row))
