@@ -581,6 +581,16 @@ def _static_verify_capture(self, bucket, q, v):
     self._kv_ptr = self.cache.k[0].data_ptr()
 
 
+def _static_decode_capture(self):
+    """Stands in for the decode graphs' capture, which the runner does before its first
+    verify graph: graphs that must not be replayed (the decode steps here run eagerly)."""
+    def replay():
+        raise AssertionError("a decode graph stand-in was replayed")
+    self._graphs.update({b: _Replay(replay) for b in self.buckets})
+    self._kv_ptr = self.cache.k[0].data_ptr()
+    self.num_captures += 1
+
+
 @pytest.mark.parametrize("control", [False, True], ids=["padded", "no-padding-control"])
 def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
     """The verify-graph path of the decode runner (static buffers, padding sequences, a
@@ -597,6 +607,7 @@ def test_verify_static_buffers_match_eager_verify(control, monkeypatch):
     from megatron_tlt.rollout.cuda_graphs import DecodeRunner
     monkeypatch.setattr(RolloutEngine, "_fused_verify", lambda self: self.decode_runner is not None)
     monkeypatch.setattr(DecodeRunner, "_capture_verify", _static_verify_capture)
+    monkeypatch.setattr(DecodeRunner, "capture", _static_decode_capture)
     if control:
         fill = DecodeRunner._pad_verify_rows
         monkeypatch.setattr(DecodeRunner, "_pad_verify_rows",
