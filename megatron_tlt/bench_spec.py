@@ -10,10 +10,11 @@ For each batch size B, the first B prompts (synthetic tasks, or a prompts file) 
 generated with `--spec off` and with each drafter, on ONE engine (same weights, same
 cache, the job's fast path: Triton + CUDA graphs on a GPU), the order alternating between
 repeats. Reported per (B, mode): each repeat's wall seconds and generated tokens
-(`repeats`), the median tokens/s, and for SD acceptance rate / length (vLLM's definitions, spec/stats.py); then
-`speedup` = SD tokens/s / off tokens/s. At temperature > 0 the modes draw different
-tokens (lossless means same distribution, not same samples), so response lengths differ:
-tokens/s, not wall time, is the comparable figure; the mean lengths are reported too.
+(`repeats`), the median tokens/s, and for SD acceptance rate / length (vLLM's
+definitions, spec/stats.py); then `speedup` = SD tokens/s / off tokens/s. At
+temperature > 0 the modes draw different tokens (lossless means same distribution, not
+same samples), so response lengths differ: tokens/s, not wall time, is the comparable
+figure; the mean lengths are reported too.
 With few prompts the lengths can differ a lot (session 7, batch 1: plain 50 tokens, EAGLE
 256), and a short run's tokens/s carries its prefill over few tokens: a row whose mean
 length is off by more than 25% from plain's gets `length_mismatch` and a printed warning;
