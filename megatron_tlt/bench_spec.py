@@ -14,7 +14,9 @@ repeats. Reported per (B, mode): each repeat's wall seconds and generated tokens
 definitions, spec/stats.py); then `speedup` = SD tokens/s / off tokens/s. At
 temperature > 0 the modes draw different tokens (lossless means same distribution, not
 same samples), so response lengths differ: tokens/s, not wall time, is the comparable
-figure; the mean lengths are reported too.
+figure; the mean lengths are reported too. At temperature 0 each SD row reports
+`tokens_equal_plain`, the share of requests whose tokens equal plain decoding's (lossless:
+1.0), with a warning below it.
 With few prompts the lengths can differ a lot (session 7, batch 1: plain 50 tokens, EAGLE
 256), and a short run's tokens/s carries its prefill over few tokens: a row whose mean
 length is off by more than 25% from plain's gets `length_mismatch` and a printed warning;
@@ -266,7 +268,8 @@ def _run(engine, decoder, prompts, args, tag: str, clock: _Clock,
         raise TLTError(f"bench spec: a request failed: {errors[0]}")
     tokens = sum(len(r.token_ids) for r in results)
     after = _counters(engine, decoder)
-    row = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
+    row = {"_tokens": [list(r.token_ids) for r in results],  # compared across modes, then dropped
+           "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
            "mean_len": tokens / len(results), "max_len": max(len(r.token_ids) for r in results),
            "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
            "max_running": running,  # most sequences in one engine step
@@ -461,6 +464,8 @@ def main(args: argparse.Namespace) -> int:
                                "so their rows differ in step cost alone (eagle-torchprobs too, but for a "
                                "decision its other float32 roundings may flip: rare)",
                       "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
+                      "tokens_equal_plain": "--temperature 0 only: the share of (repeat, request) pairs whose "
+                                            "tokens equal plain decoding's (lossless: 1.0; below it a warning)",
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
                                    "around each phase of the SD step (draft, plain, verify_forward, verify); "
                                    "ms_per_step = phase wall ms / engine steps; not part of tokens_per_s",
@@ -496,6 +501,10 @@ def main(args: argparse.Namespace) -> int:
             for k in ("first_step_ms", "median_step_ms"):
                 vals = [x[k] for x in xs if x.get(k) is not None]
                 row[k] = statistics.median(vals) if vals else None
+            if mode != "off" and opts.temperature == 0:
+                # greedy: lossless means the same tokens as plain decoding, request by request
+                same = [a == o for x, xo in zip(xs, runs["off"]) for a, o in zip(x["_tokens"], xo["_tokens"])]
+                row["tokens_equal_plain"] = sum(same) / len(same)
             if mode != "off":
                 row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
                 row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
@@ -514,15 +523,23 @@ def main(args: argparse.Namespace) -> int:
                          f"{spread['max']:.2f} (min / median / max)")
             print(f"B={b:>3} {mode:>5}: {row['tokens_per_s']:.1f} tokens/s, mean length "
                   f"{row['mean_len']:.1f}{acc}{steps}{tail}", flush=True)
+            if row.get("tokens_equal_plain", 1.0) < 1.0:
+                print(f"B={b:>3} {mode:>5}: WARNING greedy tokens differ from plain decoding in "
+                      f"{100 * (1 - row['tokens_equal_plain']):.0f}% of the requests (not lossless)",
+                      flush=True)
             if row.get("length_mismatch"):
                 print(f"B={b:>3} {mode:>5}: WARNING mean length {row['mean_len']:.1f} vs plain "
                       f"{off_len:.1f}: tokens/s carry prefill differently, the speedup is not "
                       f"comparable (use --ignore-eos)", flush=True)
+        for xs in runs.values():
+            for x in xs:
+                x.pop("_tokens")
         if b in opts.profile_batch_sizes:
             for mode in runs:
                 row = next(r for r in rows if r["batch"] == b and r["mode"] == mode)
                 row["profile"] = _run(engine, decoders.get(mode), [prompts[:b]], opts,
                                       f"b{b}-profile-{mode}", clock, profile=True)
+                row["profile"].pop("_tokens", None)
                 print(f"B={b:>3} {mode:>5} under cProfile: {row['profile']['ms_per_step']:.2f} ms per "
                       f"engine step", flush=True)
         if opts.breakdown_tokens > 0:

@@ -250,3 +250,33 @@ def test_bench_spec_one_hot_and_torch_layer_modes(tmp_path):
     assert rows["eagle-onehot"]["tokens"] == rows["eagle"]["tokens"]  # --ignore-eos: equal lengths
     assert rows["eagle-torchlayer"]["num_drafts"] > 0
     assert rows["eagle-torchlayer"]["acceptance_length"] == rows["eagle"]["acceptance_length"]
+
+
+def test_bench_spec_greedy_rows_check_the_tokens_against_plain(tmp_path, capsys, monkeypatch):
+    """--temperature 0: each SD row reports the share of requests whose tokens equal plain
+    decoding's (lossless: 1.0); a changed token in an SD run must show (negative control,
+    the comparison itself) with a printed warning. Nothing of the tokens lands in the JSON."""
+    from megatron_tlt import bench_spec
+
+    args = ["bench", "spec", "--json", str(tmp_path / "spec.json"), "--model", TINY, "--drafters", "ngram",
+            "--batch-sizes", "2", "--max-new-tokens", "12", "--temperature", "0", "--tasks", "sort",
+            "--device", "cpu", "--min-sequences", "0", "--breakdown-tokens", "0", "--repeats", "2"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "spec.json").read_text())
+    rows = {r["mode"]: r for r in report["results"]}
+    assert rows["ngram"]["tokens_equal_plain"] == 1.0 and "tokens_equal_plain" not in rows["off"]
+    assert '"_tokens"' not in json.dumps(report)
+    real = bench_spec._run
+
+    def lossy(engine, decoder, *a, **k):
+        row = real(engine, decoder, *a, **k)
+        if decoder is not None:
+            row["_tokens"][0] = row["_tokens"][0][:-1] + [row["_tokens"][0][-1] + 1]
+        return row
+
+    monkeypatch.setattr(bench_spec, "_run", lossy)
+    capsys.readouterr()
+    assert main(args) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "spec.json").read_text())["results"]}
+    assert rows["ngram"]["tokens_equal_plain"] == 0.5  # the first of 2 requests changed in each repeat
+    assert "WARNING greedy tokens differ from plain decoding" in capsys.readouterr().out
