@@ -782,14 +782,14 @@ def config_to_dict(cfg: ConfigSection) -> dict:
 
 def save_config(cfg: ConfigSection, path: str) -> None:
     """Write `cfg` as YAML to `path` (atomically; parent directories are created)."""
-    parent = os.path.dirname(os.path.abspath(path))
+    from megatron_tlt.atomic_io import write_text
+
     try:
-        os.makedirs(parent, exist_ok=True)
+        write_text(path, _dump_yaml(config_to_dict(cfg)))  # creates the directory
     except (FileExistsError, NotADirectoryError):
+        parent = os.path.dirname(os.path.abspath(path))
         raise ConfigError(f"cannot write {path}: {parent} (or a directory above it) is a file, "
                           f"not a directory") from None
-    from megatron_tlt.atomic_io import write_text
-    write_text(path, _dump_yaml(config_to_dict(cfg)))
 
 
 def format_config(cfg: ConfigSection) -> str:

@@ -377,13 +377,11 @@ class RLRun:
         reqs = []
         for p in prompts:
             ptoks = self.tokenizer.encode_prompt(p.prompt)
-            for j in range(ro.n_samples):
+            for j in range(p.repeat * ro.n_samples, (p.repeat + 1) * ro.n_samples):
                 sp = SamplingParams(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
                                     max_new_tokens=ro.max_new_tokens,
-                                    seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id,
-                                                      p.repeat * ro.n_samples + j))
-                reqs.append(Request(prompt_id=p.prompt_id, sample_index=p.repeat * ro.n_samples + j,
-                                    prompt_token_ids=ptoks,
+                                    seed=request_seed(self.cfg.train.seed, self.step, p.prompt_id, j))
+                reqs.append(Request(prompt_id=p.prompt_id, sample_index=j, prompt_token_ids=ptoks,
                                     sampling_params=sp))
         t0 = time.perf_counter()
         sd = self.engine.spec_decoder

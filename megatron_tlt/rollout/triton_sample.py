@@ -254,6 +254,17 @@ def sample_fused(logits: torch.Tensor,  # [B, V] float32, rows contiguous (any r
 _ADVANCE_BLOCK = 4096
 
 
+@triton.jit
+def _argmax_update(score, idx, V, best, best_i):
+    """Fold one block's maximum into the running (best, best_i): the lowest index of the
+    block's maximum, kept only when strictly greater (an earlier block keeps a tie).
+    Shared with spec/triton_pick.py."""
+    cmax = tl.max(score, 0)
+    ci = tl.min(tl.where(score == cmax, idx, V), 0).to(tl.int64)
+    take = cmax > best
+    return tl.where(take, cmax, best), tl.where(take, ci, best_i)
+
+
 @triton.jit(do_not_specialize=["stride_l", "stride_m"])
 def _greedy_advance_kernel(logits_ptr, stride_l, V, meta_ptr, stride_m, page,
                            ID: tl.constexpr, POS: tl.constexpr, SLOT: tl.constexpr,
@@ -265,21 +276,15 @@ def _greedy_advance_kernel(logits_ptr, stride_l, V, meta_ptr, stride_m, page,
     base = logits_ptr + row.to(tl.int64) * stride_l
     offs = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), _BIG, tl.int32)
+    best_i = tl.full((), 0, tl.int64)  # an all -inf row: 0, as torch.argmax
     nan_i = tl.full((), _BIG, tl.int32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + offs
-        ok = cols < V
-        x = tl.load(base + cols, mask=ok, other=float("-inf"))
-        isn = (x != x) & ok
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+        isn = x != x  # masked columns hold -inf
         nan_i = tl.minimum(nan_i, tl.min(tl.where(isn, cols, _BIG), 0))
-        xv = tl.where(isn, float("-inf"), x)
-        m = tl.max(xv, 0)
-        i = tl.min(tl.where((xv == m) & ok, cols, _BIG), 0)
-        take = (m > best) | (best_i == _BIG)  # an earlier part keeps a tie
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
-    tok = tl.where(nan_i < _BIG, nan_i, best_i)
+        best, best_i = _argmax_update(tl.where(isn, float("-inf"), x), cols, V, best, best_i)
+    tok = tl.where(nan_i < _BIG, nan_i, best_i.to(tl.int32))
     mrow = meta_ptr + row.to(tl.int64) * stride_m
     pos = tl.load(mrow + POS) + 1
     tl.store(mrow + ID, tok)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from megatron_tlt.rollout.triton_noise import _GOLDEN, _MIX1, _MIX2, _mix64, exp_noise_at
+from megatron_tlt.rollout.triton_sample import _argmax_update
 
 _BLOCK = 1024
 
@@ -45,16 +46,6 @@ def _load_block(src, start, V: tl.constexpr, BLOCK: tl.constexpr):
     ok = idx < V
     x = tl.load(src + idx, mask=ok, other=0.0).to(tl.float32)
     return idx, ok, x, tl.where(ok & ~((x == x) & (tl.abs(x) < float("inf"))), 1, 0)
-
-
-@triton.jit
-def _argmax_update(score, idx, V, best, best_i):
-    """Fold one block's maximum into the running (best, best_i): the lowest index of the
-    block's maximum, kept only when strictly greater (an earlier block keeps a tie)."""
-    cmax = tl.max(score, 0)
-    ci = tl.min(tl.where(score == cmax, idx, V), 0).to(tl.int64)
-    take = cmax > best
-    return tl.where(take, cmax, best), tl.where(take, ci, best_i)
 
 
 @triton.jit
