@@ -251,57 +251,92 @@ def sample_fused(logits: torch.Tensor,  # [B, V] float32, rows contiguous (any r
 
 # ---------------------------------------------------------------- a device decode loop's step
 
-_ADVANCE_BLOCK = 4096
-
 
 @triton.jit
 def _argmax_update(score, idx, V, best, best_i):
     """Fold one block's maximum into the running (best, best_i): the lowest index of the
     block's maximum, kept only when strictly greater (an earlier block keeps a tie).
-    Shared with spec/triton_pick.py."""
+    Used by spec/triton_pick.py."""
     cmax = tl.max(score, 0)
     ci = tl.min(tl.where(score == cmax, idx, V), 0).to(tl.int64)
     take = cmax > best
     return tl.where(take, cmax, best), tl.where(take, ci, best_i)
 
 
-@triton.jit(do_not_specialize=["stride_l", "stride_m"])
-def _greedy_advance_kernel(logits_ptr, stride_l, V, meta_ptr, stride_m, page,
+@triton.jit(do_not_specialize=["stride_l", "stride_m", "stride_w"])
+def _greedy_advance_kernel(logits_ptr, stride_l, V, meta_ptr, stride_m, work_ptr, stride_w, page,
                            ID: tl.constexpr, POS: tl.constexpr, SLOT: tl.constexpr,
-                           CTX: tl.constexpr, NCOL: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per row: the row's argmax (torch.argmax's rules: the lowest id among the
-    # largest, a NaN beats every number, the first NaN among several), then the row's next
-    # decode inputs in the runner's int32 buffer.
+                           CTX: tl.constexpr, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                           PARTS_PAD: tl.constexpr):
+    # Program (row, part): the part's best column by torch.argmax's rules (the lowest id
+    # among the largest; a NaN beats every number, the first NaN among several), stored
+    # in the row's work slots (value bits, column). The last of the row's parts to count
+    # itself in (the ticket in the row's slot 0, set back to 0 for the next launch or
+    # graph replay) folds the parts in order and writes the row's next decode inputs in
+    # the runner's int32 buffer. The barrier puts every thread's stores before the
+    # counting thread's release; the acquire orders the fold's loads (the pattern of
+    # triton_attention's in-kernel split merge).
     row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * stride_l
-    offs = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int64)  # an all -inf row: 0, as torch.argmax
-    nan_i = tl.full((), _BIG, tl.int32)
-    for v0 in range(0, V, BLOCK):
-        cols = v0 + offs
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
-        isn = x != x  # masked columns hold -inf
-        nan_i = tl.minimum(nan_i, tl.min(tl.where(isn, cols, _BIG), 0))
-        best, best_i = _argmax_update(tl.where(isn, float("-inf"), x), cols, V, best, best_i)
-    tok = tl.where(nan_i < _BIG, nan_i, best_i.to(tl.int32))
-    mrow = meta_ptr + row.to(tl.int64) * stride_m
-    pos = tl.load(mrow + POS) + 1
-    tl.store(mrow + ID, tok)
-    tl.store(mrow + POS, pos)
-    tl.store(mrow + CTX, tl.load(mrow + CTX) + 1)
-    blk = tl.load(mrow + NCOL + pos // page)
-    tl.store(mrow + SLOT, blk * page + pos % page)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=cols < V,
+                other=float("-inf"))
+    isn = x != x  # masked columns hold -inf
+    nan_i = tl.min(tl.where(isn, cols, _BIG), 0)
+    y = tl.where(isn, float("-inf"), x)
+    cmax = tl.max(y, 0)
+    best_i = tl.min(tl.where(y == cmax, cols, _BIG), 0)  # a valid column: masked ones follow
+    val = tl.where(nan_i < _BIG, float("nan"), cmax)
+    wrow = work_ptr + row.to(tl.int64) * stride_w
+    tl.store(wrow + 1 + part, val.to(tl.int32, bitcast=True))
+    tl.store(wrow + 1 + parts + part, tl.where(nan_i < _BIG, nan_i, best_i))
+    tl.debug_barrier()
+    if tl.atomic_add(wrow, 1, sem="acq_rel") == parts - 1:
+        tl.atomic_xchg(wrow, 0, sem="relaxed")
+        p = tl.arange(0, PARTS_PAD)
+        ok = p < parts
+        v = tl.load(wrow + 1 + p, mask=ok, other=0).to(tl.float32, bitcast=True)
+        i = tl.load(wrow + 1 + parts + p, mask=ok, other=_BIG)
+        vn = ok & (v != v)
+        first_nan = tl.min(tl.where(vn, i, _BIG), 0)
+        num = ok & (v == v)
+        v = tl.where(num, v, float("-inf"))
+        m = tl.max(v, 0)
+        tok = tl.min(tl.where(num & (v == m), i, _BIG), 0)  # parts in column order
+        tok = tl.where(first_nan < _BIG, first_nan, tok)
+        mrow = meta_ptr + row.to(tl.int64) * stride_m
+        pos = tl.load(mrow + POS) + 1
+        tl.store(mrow + ID, tok)
+        tl.store(mrow + POS, pos)
+        tl.store(mrow + CTX, tl.load(mrow + CTX) + 1)
+        blk = tl.load(mrow + NCOL + pos // page)
+        tl.store(mrow + SLOT, blk * page + pos % page)
+
+
+_ADVANCE_BLOCK = 2048
+"""Columns per greedy_advance program: 75 parts of a 151,936 vocabulary, enough programs
+at batch 1 (one program per row walked the row serially)."""
+
+
+def greedy_advance_work(rows: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """greedy_advance's work buffer for up to `rows` rows of `vocab` logits: per row a
+    ticket (zero between launches: the kernel sets it back) and each part's best."""
+    parts = -(-vocab // _ADVANCE_BLOCK)
+    return torch.zeros(rows, 1 + 2 * parts, dtype=torch.int32, device=device)
 
 
 def greedy_advance(logits: torch.Tensor, meta: torch.Tensor, page: int, *, id_col: int,
-                   pos_col: int, slot_col: int, ctx_col: int, table_col: int) -> None:
+                   pos_col: int, slot_col: int, ctx_col: int, table_col: int,
+                   work: torch.Tensor | None = None) -> None:
     """The next decode step's inputs of a device decode loop, in place, in one launch: per
     row r of `logits` [n, V] float32, meta[r, id_col] = argmax(logits[r]) (torch.argmax's
     rules), position and context length + 1, slot = block_tables[r, pos // page] * page +
     pos % page with the block table from `table_col` on (cuda_graphs.DecodeRunner's int32
     input buffer; its `advance_greedy`). The same values as those torch ops (a dozen
-    launches: ~44 us of a 1.26 ms 1.5B batch-1 step on the H200, session 42)."""
+    launches: ~44 us of a 1.26 ms 1.5B batch-1 step on the H200, session 42). `work`:
+    greedy_advance_work(>= n, V) kept between calls (its tickets are back at 0 after each
+    launch), else a fresh one."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"greedy_advance: logits must be [n, V] float32 with contiguous rows, got "
                          f"{logits.dtype}{tuple(logits.shape)} strides {logits.stride()}")
@@ -309,8 +344,18 @@ def greedy_advance(logits: torch.Tensor, meta: torch.Tensor, page: int, *, id_co
     if meta.dim() != 2 or meta.dtype != torch.int32 or meta.stride(1) != 1 or meta.shape[0] < n:
         raise ValueError(f"greedy_advance: meta must be [>= {n}, C] int32 with contiguous rows, got "
                          f"{meta.dtype}{tuple(meta.shape)}")
+    parts = -(-v // _ADVANCE_BLOCK)
+    if work is None:
+        work = greedy_advance_work(n, v, logits.device)
+    elif (work.dim() != 2 or work.dtype != torch.int32 or work.stride(1) != 1
+          or work.shape[0] < n or work.shape[1] < 1 + 2 * parts or work.device != logits.device):
+        raise ValueError(f"greedy_advance: work must be greedy_advance_work(>= {n}, {v}) "
+                         f"([>= {n}, >= {1 + 2 * parts}] int32 on {logits.device}), got "
+                         f"{work.dtype}{tuple(work.shape)} on {work.device}")
     if n == 0:
         return
-    _greedy_advance_kernel[(n,)](logits, logits.stride(0), v, meta, meta.stride(0), page,
-                                 ID=id_col, POS=pos_col, SLOT=slot_col, CTX=ctx_col, NCOL=table_col,
-                                 BLOCK=_ADVANCE_BLOCK, num_warps=16)
+    _greedy_advance_kernel[(n, parts)](logits, logits.stride(0), v, meta, meta.stride(0), work,
+                                       work.stride(0), page, ID=id_col, POS=pos_col,
+                                       SLOT=slot_col, CTX=ctx_col, NCOL=table_col,
+                                       BLOCK=_ADVANCE_BLOCK,
+                                       PARTS_PAD=triton.next_power_of_2(parts), num_warps=4)

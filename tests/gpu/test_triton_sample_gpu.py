@@ -104,7 +104,7 @@ def test_greedy_advance_equals_the_torch_ops_on_the_device(n, v):
     replaces, the whole input buffer torch.equal: ties, a NaN row, an all -inf row,
     positions crossing a block boundary; a changed logit changes a token (negative control)."""
     from megatron_tlt.rollout import cuda_graphs as cg
-    from megatron_tlt.rollout.triton_sample import greedy_advance
+    from megatron_tlt.rollout.triton_sample import greedy_advance, greedy_advance_work
 
     g = torch.Generator(device="cuda").manual_seed(n + v)
     page, width = 16, 12
@@ -132,9 +132,12 @@ def test_greedy_advance_equals_the_torch_ops_on_the_device(n, v):
 
     want = reference(meta)
     got = meta.clone()
-    kw = dict(id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT, ctx_col=cg._CTX, table_col=cg._NCOL)
+    work = greedy_advance_work(n, v, CUDA)  # shared by both launches: its tickets reset
+    kw = dict(id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT, ctx_col=cg._CTX,
+              table_col=cg._NCOL, work=work)
     greedy_advance(logits, got, page, **kw)
     assert torch.equal(got, want)
+    assert not work[:, 0].any()
     logits[0, (int(want[0, cg._ID]) + 1) % v] = 1e9
     again = meta.clone()
     greedy_advance(logits, again, page, **kw)

@@ -139,13 +139,15 @@ def _torch_advance(logits, meta, n, page):
     slot.copy_(blk * page + p % page)
 
 
-@pytest.mark.parametrize("v", [1, 7, 4096, 4097, 9000])
+@pytest.mark.parametrize("v", [1, 7, 2048, 2049, 5000])
 def test_greedy_advance_equals_the_torch_ops(v):
     """DecodeRunner.advance_greedy's kernel == the torch ops it replaces, every column of the
-    input buffer, torch.equal: ties (lowest id), NaN rows (the first NaN), all -inf rows,
-    rows past n untouched, positions crossing a block boundary."""
+    input buffer, torch.equal: ties (lowest id, across the kernel's 2048-column parts), NaN
+    rows (the first NaN, in the first or the last part), all -inf rows, rows past n
+    untouched, positions crossing a block boundary; a second launch on the same work
+    buffer (its tickets set back by the first) advances again."""
     from megatron_tlt.rollout import cuda_graphs as cg
-    from megatron_tlt.rollout.triton_sample import greedy_advance
+    from megatron_tlt.rollout.triton_sample import greedy_advance, greedy_advance_work
 
     g = torch.Generator().manual_seed(v)
     n, bucket, page, width = 6, 8, 4, 5
@@ -155,6 +157,7 @@ def test_greedy_advance_equals_the_torch_ops(v):
         logits[2, [v // 3, 2, v - 1]] = float("nan")
     logits[3] = float("-inf")
     logits[4, -1] = 50.0  # the last column
+    logits[5, -1] = float("nan")  # the only NaN, in the last part
     meta = torch.zeros(bucket, cg._NCOL + width, dtype=torch.int32)
     meta[:, cg._NCOL:] = torch.randperm(bucket * width, generator=g).view(bucket, width).int()
     positions = torch.tensor([0, 3, 7, 10, 14, 2, 5, 6], dtype=torch.int32)  # 3 -> 4, 7 -> 8: new blocks
@@ -162,13 +165,32 @@ def test_greedy_advance_equals_the_torch_ops(v):
     want = meta.clone()
     _torch_advance(logits, want, n, page)
     got = meta.clone()
-    greedy_advance(logits[:n], got, page, id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT,
-                   ctx_col=cg._CTX, table_col=cg._NCOL)
+    work = greedy_advance_work(bucket, v, "cpu")
+    kw = dict(id_col=cg._ID, pos_col=cg._POS, slot_col=cg._SLOT, ctx_col=cg._CTX,
+              table_col=cg._NCOL, work=work)
+    greedy_advance(logits[:n], got, page, **kw)
     assert torch.equal(got, want), (got, want)
     assert torch.equal(got[n:], meta[n:])
     if v > 3:
         assert int(got[2, cg._ID]) == 2  # the first NaN
     assert int(got[3, cg._ID]) == 0  # all -inf: torch.argmax's 0
+    assert int(got[5, cg._ID]) == v - 1
+    assert not work[:, 0].any()  # the tickets are back at 0
+    logits[0, 0] = 1e9
+    _torch_advance(logits, want, n, page)
+    greedy_advance(logits[:n], got, page, **kw)
+    assert torch.equal(got, want) and int(got[0, cg._ID]) == 0
+
+
+def test_greedy_advance_refuses_a_short_work_buffer():
+    from megatron_tlt.rollout import cuda_graphs as cg
+    from megatron_tlt.rollout.triton_sample import greedy_advance, greedy_advance_work
+
+    meta = torch.zeros(2, cg._NCOL + 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="work must be"):
+        greedy_advance(torch.zeros(2, 5000), meta, 4, id_col=cg._ID, pos_col=cg._POS,
+                       slot_col=cg._SLOT, ctx_col=cg._CTX, table_col=cg._NCOL,
+                       work=greedy_advance_work(2, 4000, "cpu"))
 
 
 def test_greedy_advance_negative_control():
