@@ -135,14 +135,25 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
     """One optimizer step of the PPO-family loss over `mbs`. `old_logps`/`ref_logps` are
     needed on the last pipeline stage only (computed at the same `temperature`).
     `global_tokens`/`global_seqs`: the counts over the whole step (all micro-batches and
-    DP ranks) the loss is normalised by. `temperature`: the rollout's (see the module
-    docstring)."""
+    DP ranks) the loss is normalised by; counted here from the micro-batches' loss masks
+    (tokens, rows with any) and all-reduced over DP when not given, so that the loss never
+    depends on how the step is split into micro-batches. `temperature`: the rollout's (see
+    the module docstring)."""
     from megatron.core import parallel_state as ps
 
     arch = actor.arch
     num_mb = len(mbs)
     dp = ps.get_data_parallel_world_size()
     norm = global_tokens if cfg.aggregation == "token" else global_seqs
+    if norm is None:
+        if cfg.aggregation == "token":
+            count = sum(float(mb.loss_mask.sum()) for mb in mbs)
+        else:
+            count = sum(float((mb.loss_mask.sum(dim=1) > 0).sum()) for mb in mbs)
+        t = torch.tensor([count], dtype=torch.float64, device=actor.device)
+        if dp > 1:
+            torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+        norm = max(float(t), 1.0)
 
     def loss_fn(logits, mb):
         k = mb.extra["index"]
@@ -157,7 +168,7 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
                                  normalizer=norm)
         # Megatron divides each micro-batch loss by num_microbatches and DDP averages over
         # DP; undo both so the summed gradient is that of the global mean.
-        scaled = loss * (num_mb * dp if norm is not None else 1.0)
+        scaled = loss * (num_mb * dp)
         # Mean negative log-prob of the sampled tokens: an unbiased estimate of the policy's
         # entropy on on-policy samples (the exact one needs a vocab-parallel reduction).
         metrics["entropy_est"] = (-(lp * mask).sum() / mask.sum().clamp(min=1)).detach()
@@ -171,20 +182,20 @@ def policy_update(actor: Actor, optimizer, mbs: list[MicroBatch], old_logps: Opt
     stats = optimizer.step()
     metrics = {"grad_norm": stats["grad_norm"], "update_skipped": stats["skipped"]}
     if outs:  # the last pipeline stage; its DP group reduces together
-        metrics.update(_step_metrics(outs, global_norm=norm is not None, dp=dp, device=actor.device))
+        metrics.update(_step_metrics(outs, dp=dp, device=actor.device))
     return metrics
 
 
 _TOKENS = "_tokens"
 
 
-def _step_metrics(outs: list[dict], *, global_norm: bool, dp: int, device) -> dict:
+def _step_metrics(outs: list[dict], *, dp: int, device) -> dict:
     """The step's loss metrics from each micro-batch's (this rank's): `pg_loss` is the loss
-    the gradient is of (micro-batch losses normalised by the step's global count sum,
-    over micro-batches and DP ranks; self-normalised ones are averaged, as Megatron and
-    DDP do), the others token-weighted means over every loss token of the step (padding
-    micro-batches, all masked, weigh nothing). A plain mean over micro-batches divided
-    the global loss by their number and pulled ratio_mean below 1 with padding."""
+    the gradient is of (micro-batch losses normalised by the step's global count, summed
+    over micro-batches and DP ranks), the others token-weighted means over every loss
+    token of the step (padding micro-batches, all masked, weigh nothing). A plain mean over
+    micro-batches divided the global loss by their number and pulled ratio_mean below 1
+    with padding."""
     from megatron.core import parallel_state as ps
 
     def column(key: str) -> torch.Tensor:  # [micro-batches] float64, on the device
@@ -196,7 +207,7 @@ def _step_metrics(outs: list[dict], *, global_norm: bool, dp: int, device) -> di
     for key in keys:
         vals = column(key)
         if key == "pg_loss":
-            sums.append(vals.sum() if global_norm else vals.mean() / dp)
+            sums.append(vals.sum())
         else:
             sums.append((vals * tokens).sum())
     t = torch.stack(sums + [tokens.sum()])

@@ -81,6 +81,35 @@ def test_step_metrics_do_not_depend_on_the_micro_batch_size(aggregation):
         assert clip == 0.0
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_policy_update_counts_the_step_itself_when_not_given(aggregation):
+    """Without global_tokens / global_seqs, policy_update normalises by the step's own
+    counts: the same pg_loss and updated weights as with the counts passed (torch.equal
+    for the same micro-batches of 3; within 1e-6 for micro-batches of 1, summed in another
+    order). Before, each micro-batch normalised itself and Megatron averaged them, so the
+    loss depended on the split."""
+    mcore.init_parallel(1, 1, seed=0)
+    arch = ModelArch.from_hf_config(tiny_hf_config("llama", vocab_size=60, num_layers=1).to_dict())
+    batch = RolloutBatch.make_dummy(n=3, vocab=60, seed=4)
+    batch.advantages = torch.tensor([1.0, 0.5, 2.0])
+    results = []
+    for size, given in ((3, True), (3, False), (1, False)):
+        actor = Actor(arch, init_seed=0)
+        opt = build_optimizer(actor, OptimSettings(lr=1e-2, clip_grad=0.0))
+        mbs = make_microbatches(batch, seq_length=12, micro_batch_size=size)
+        old = actor_logprobs(actor, mbs)
+        kw = {}
+        if given:
+            kw = dict(global_tokens=float(sum(mb.loss_mask.sum() for mb in mbs)), global_seqs=3.0)
+        m = policy_update(actor, opt, mbs, old, PPOLossConfig(aggregation=aggregation), **kw)
+        w = torch.cat([p.detach().float().flatten() for p in actor.model.parameters()])
+        results.append((m["pg_loss"], w))
+    assert torch.equal(results[1][1], results[0][1])
+    for pg, w in results[1:]:
+        assert pg == pytest.approx(results[0][0], rel=1e-5)
+        assert torch.allclose(w, results[0][1], rtol=0, atol=1e-6)
+
+
 def test_actor_logprobs_are_the_engines_at_the_rollout_temperature():
     """At temperature 0.7 the engine samples from, and reports log-probs of,
     log_softmax(logits / 0.7); the actor recomputing them with `temperature=0.7` matches
