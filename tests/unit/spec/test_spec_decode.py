@@ -226,3 +226,27 @@ def test_depth_schedule_policy():
             parse_strategy_schedule(bad)
     with pytest.raises(ConfigError, match="spec topk must be"):  # one entry: Strategy's check
         depth_policy("6x0")
+
+
+def test_draft_ahead_needs_room_for_two_full_chains_within_max_model_len():
+    """SpecDecoder._ahead_fits: a draft-ahead (and the verify forward queued after it) is
+    queued only while every sequence has room for this step's depth + 1 tokens and the
+    next step's depth + 1 positions within max_model_len (2 * depth + 2) and depth + 2
+    tokens left of max_new_tokens; one short sequence stops it for the step."""
+    from types import SimpleNamespace
+
+    from megatron_tlt.spec.decode import SpecDecoder
+
+    depth, max_len = 3, 64
+
+    def seq(n_tokens, max_new=1000, n_out=0):
+        return SimpleNamespace(token_ids=[0] * n_tokens, num_output=n_out,
+                               request=SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=max_new)))
+
+    engine = SimpleNamespace(max_model_len=max_len)
+    edge = max_len - (2 * depth + 2)
+    assert SpecDecoder._ahead_fits(engine, [(seq(edge), None)], depth)
+    assert not SpecDecoder._ahead_fits(engine, [(seq(edge + 1), None)], depth)
+    assert not SpecDecoder._ahead_fits(engine, [(seq(10), None), (seq(edge + 1), None)], depth)
+    assert SpecDecoder._ahead_fits(engine, [(seq(10, max_new=depth + 2), None)], depth)
+    assert not SpecDecoder._ahead_fits(engine, [(seq(10, max_new=depth + 2, n_out=1), None)], depth)
