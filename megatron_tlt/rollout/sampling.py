@@ -82,7 +82,7 @@ class SamplingParams:
             raise TLTError(f"temperature must be a finite number >= 0, got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise TLTError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2 ** 63:
             raise TLTError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 < p <= 1):
@@ -233,7 +233,7 @@ def top_k_top_p_keep(scaled: torch.Tensor,  # [..., vocab] float32: logits / T (
     keep = rank < k.unsqueeze(-1)
     probs_sorted = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
-    keep &= (mass_before < top_p.unsqueeze(-1)) | (top_p.unsqueeze(-1) >= 1)
+    keep &= (mass_before < top_p.unsqueeze(-1)) | (top_p.unsqueeze(-1) >= 1) | (rank == 0)
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
@@ -378,7 +378,7 @@ class StopChecker:
             start = max(prompt_len, len(token_ids) - k)
             text = self.detokenize(token_ids[start:])
             prev = self.detokenize(token_ids[start:start_max]) if start < start_max else ""
-            fresh = len(prev) if text.startswith(prev) else 0  # text[fresh:] came with the newest token
+            fresh = len(os.path.commonprefix([prev, text]))  # text[fresh:] came with the newest token
             for s in self.params.stop_strings:
                 if s in text[max(0, fresh - len(s) + 1):]:
                     return s

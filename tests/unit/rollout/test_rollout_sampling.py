@@ -262,6 +262,48 @@ def test_stop_string_spanning_many_tokens(case):
         None, None, None)
 
 
+def test_stop_string_seen_during_min_new_tokens_never_fires_later():
+    """A stop string completed (and ignored) within min_new_tokens is not reported by a
+    later token whose own text does not hold it: here the token completing a 2-byte
+    character, whose previous tail decoded to a replacement character (the old check then
+    searched the whole tail and stopped at token 6 on "ab" from tokens 1-2). Control: the
+    same stop string completed after min_new_tokens stops at the token completing it."""
+    prompt = list(b"Q: ")
+    out = list(b"abxy") + list("\u00e9".encode()) + list(b"zz")
+    params = SamplingParams(max_new_tokens=20, min_new_tokens=4, stop_strings=("ab",))
+    checker = StopChecker(params, [], _byte_detok)
+    assert _first_stop(checker, prompt + out, len(prompt)) == (None, None, None)
+    later = list(b"xyzw") + list("\u00e9".encode()) + list(b"ab")
+    assert _first_stop(checker, prompt + later, len(prompt)) == (7, "stop", "ab")
+
+
+def test_top_p_below_float32_keeps_the_most_likely_token():
+    """A top_p the check accepts but float32 rounds to 0 (1e-50) keeps the most likely token,
+    as the docstring promises, in the sampler and in speculative decoding's target
+    distribution (one shared rule): before, every token was dropped, the sampler returned
+    token 0 and a NaN processed logprob."""
+    from megatron_tlt.spec.sampling_ref import process_logits
+
+    SamplingParams(top_p=1e-50).check(4)
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 2)
+    noise = exponential_noise(torch.tensor([7, 7]), torch.tensor([0, 0]), 4, "cpu")
+    out = sample(logits, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([1e-50, 1e-50]), noise)
+    assert out.token_ids.tolist() == [2, 2]
+    assert torch.isfinite(out.processed_logprobs).all() and float(out.processed_logprobs[0]) == 0.0
+    q = process_logits(logits[:1], 1.0, 0, 1e-50)
+    assert torch.equal(q, torch.tensor([[0.0, 0.0, 1.0, 0.0]]))
+
+
+def test_top_k_beyond_int64_is_refused_by_the_check():
+    """A top_k torch cannot hold is the request's own error at the check, not a crash of
+    the whole batch in the sampler."""
+    from megatron_tlt.errors import TLTError
+
+    SamplingParams(top_k=2 ** 63 - 1).check(10)
+    with pytest.raises(TLTError, match="top_k must be an integer"):
+        SamplingParams(top_k=2 ** 63).check(10)
+
+
 def _sample_two_passes(logits, temperature, noise, banned=None):
     """`sample` without filters as it was before the shared pass: log_softmax taken twice."""
     greedy = temperature <= 0
