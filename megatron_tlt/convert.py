@@ -168,9 +168,11 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, prog
 
     total = len(hf_mapping.hf_names(arch))
     out_dtype = mcore.torch_dtype(meta["dtype"])
+    total_size = 0
     for name, t in tqdm(hf_mapping.mcore_to_hf(arch, params.__getitem__), total=total,
                         desc="mcore-to-hf", unit="tensor", disable=not progress):
         nbytes = t.numel() * t.element_size()
+        total_size += t.numel() * out_dtype.itemsize
         if shard and shard_size + nbytes > shard_bytes:
             flush()
         # Megatron may keep some weights (norms) in fp32 inside a bf16 model; values that came
@@ -181,11 +183,23 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, prog
     if len(files) == 1:
         os.replace(os.path.join(partial, files[0]), os.path.join(partial, "model.safetensors"))
     else:
-        total_size = sum(t.numel() * out_dtype.itemsize for t in params.values())
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
-    cfg = arch.to_hf_config()
+    # the source model's config.json (token ids, ...) under the architecture's fields
+    cfg = {}
+    source = os.path.join(mcore_dir, mcore_ckpt.SOURCE_CONFIG_FILE)
+    if os.path.isfile(source):
+        try:
+            with open(source) as f:
+                cfg = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{source}: unreadable ({e!r})") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: not a JSON object")
+    cfg.update(arch.to_hf_config())
     cfg["torch_dtype"] = meta["dtype"]
+    if "dtype" in cfg:  # newer transformers write dtype for torch_dtype
+        cfg["dtype"] = meta["dtype"]
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     mcore_ckpt.copy_tokenizer_files(mcore_dir, partial)

@@ -51,8 +51,12 @@ class HFCheckpointReader:
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: corrupt safetensors index ({e!r})") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: corrupt safetensors index (weight_map must map "
+                                      f"tensor names to file names)")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             files, weight_map = ["model.safetensors"], None
@@ -120,6 +124,9 @@ def read_meta(ckpt_dir: str) -> dict:
         raise CheckpointError(f"Megatron checkpoint directory not found: {ckpt_dir}")
     path = os.path.join(ckpt_dir, META_FILE)
     if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(ckpt_dir, "model", META_FILE)):
+            raise CheckpointError(f"{ckpt_dir} is a training checkpoint; its model is "
+                                  f"{os.path.join(ckpt_dir, 'model')}")
         hint = " (a partial write? it lacks the metadata written last)" if os.listdir(ckpt_dir) else ""
         raise CheckpointError(f"{ckpt_dir}: not a megatron_tlt model checkpoint, {META_FILE} missing{hint}")
     try:
@@ -149,6 +156,22 @@ def copy_tokenizer_files(src: str, dst: str) -> list[str]:
             shutil.copy2(p, os.path.join(dst, name))
             copied.append(name)
     return copied
+
+
+SOURCE_CONFIG_FILE = "hf_config.json"
+"""The HF config.json a model checkpoint came from, kept beside it: mcore-to-hf writes its
+fields the architecture does not define (bos/eos/pad token ids, initializer_range, ...)."""
+
+
+def copy_source_config(src: str, dst: str) -> bool:
+    """Keep the HF config of `src` (an HF directory's config.json, or the SOURCE_CONFIG_FILE
+    of a model checkpoint) in `dst` as SOURCE_CONFIG_FILE; whether there was one."""
+    for name in ("config.json", SOURCE_CONFIG_FILE):
+        p = os.path.join(src, name)
+        if os.path.isfile(p):
+            shutil.copy2(p, os.path.join(dst, SOURCE_CONFIG_FILE))
+            return True
+    return False
 
 
 # ---- save / load (collective over all ranks) ----------------------------------------
@@ -183,6 +206,7 @@ def save_model(model, arch: ModelArch, out_dir: str, *, dtype: str, tp: int, pp:
     if _is_rank0():
         if tokenizer_from:
             copy_tokenizer_files(tokenizer_from, partial)
+            copy_source_config(tokenizer_from, partial)
         write_meta(partial, arch, dtype, tp, pp, extra_meta)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)

@@ -213,10 +213,20 @@ def export_drafter(ckpt: str, out: str) -> str:
         raise CheckpointError(f"--out {out} is the checkpoint directory itself")
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"--out {out} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        try:
+            read_drafter_config(out)
+        except CheckpointError:
+            raise CheckpointError(f"--out {out} is a non-empty directory that holds no drafter; "
+                                  f"its {CONFIG_FILE} and {WEIGHTS_FILE} would be replaced: give a "
+                                  f"new or empty directory, or an earlier export") from None
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the export from other users
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             shutil.copy2(os.path.join(ckpt, name), os.path.join(tmp, name))
         validate_drafter_dir(tmp)

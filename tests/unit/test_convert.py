@@ -178,3 +178,55 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.startswith("error: model directory not found")
+
+
+def test_mcore_to_hf_keeps_the_source_config_and_counts_the_written_bytes(tmp_path):
+    """HF -> mcore -> HF keeps config.json's fields the architecture does not define (the
+    token ids: without them and a generation_config.json transformers has no EOS), and a
+    sharded index's total_size is the bytes written (vocab 250: Megatron pads it to 256,
+    which the old total counted: 3072 bytes too many)."""
+    from safetensors import safe_open
+
+    hf = make_tiny_hf(str(tmp_path / "hf"), "llama", vocab_size=250)
+    os.remove(os.path.join(hf, "generation_config.json"))
+    cfg = json.loads(Path(hf, "config.json").read_text())
+    cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.0123)
+    Path(hf, "config.json").write_text(json.dumps(cfg))
+    hf_to_mcore(hf, str(tmp_path / "mc"), progress=False)
+    back = tmp_path / "back"
+    mcore_to_hf(str(tmp_path / "mc"), str(back), progress=False, shard_bytes=50_000)
+    got = json.loads((back / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "vocab_size"):
+        assert got[key] == cfg[key], key
+    assert not (back / "hf_config.json").exists()
+    idx = json.loads((back / "model.safetensors.index.json").read_text())
+    written = 0
+    for f in sorted(set(idx["weight_map"].values())):
+        with safe_open(str(back / f), "pt") as h:
+            written += sum(h.get_tensor(k).numel() * h.get_tensor(k).element_size() for k in h.keys())
+    assert idx["metadata"]["total_size"] == written
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, ["weight_map"],
+                                   {"weight_map": {"a": 3}}])
+def test_malformed_safetensors_index_is_one_line(tiny_hf, tmp_path, capsys, index):
+    Path(tiny_hf, "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = _run_cli(["convert", "hf-to-mcore", "--hf", tiny_hf, "--out", str(tmp_path / "o")], capsys)
+    _one_line_error(code, err, "corrupt safetensors index")
+
+
+def test_training_checkpoint_given_as_a_model_names_its_model_dir(tmp_path, capsys):
+    """`--mcore <out>/checkpoints/step_N` (a training checkpoint, model in its model/) is
+    pointed at that directory, not called a partial write."""
+    from megatron_tlt.models.arch import ModelArch
+    from megatron_tlt.models.mcore_ckpt import write_meta
+
+    step = tmp_path / "step_3"
+    (step / "model").mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    arch = ModelArch(family="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    write_meta(str(step / "model"), arch, "float32", 1, 1)
+    code, err = _run_cli(["convert", "mcore-to-hf", "--mcore", str(step), "--out", str(tmp_path / "o")], capsys)
+    _one_line_error(code, err, "is a training checkpoint", str(step / "model"))
+    assert "partial" not in err

@@ -230,6 +230,31 @@ def test_load_errors_name_the_problem(engines, spec_models, tmp_path):
         validate_drafter_dir(path)
 
 
+def test_export_never_replaces_a_directory_that_holds_no_drafter(engines, tmp_path):
+    """export-drafter --out pointing at another model's directory (a typo for the target
+    model) is refused before anything is written (its config.json and model.safetensors
+    were replaced); an earlier export is updated in place; a new export is readable by
+    others under the umask (mkdtemp's 0700 was renamed into place)."""
+    path = str(tmp_path / "dr")
+    save_drafter(random_eagle(engines["qwen2"]), path)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (target / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(CheckpointError, match="non-empty directory that holds no drafter"):
+        export_drafter(path, str(target))
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(os.listdir(tmp_path)) == ["dr", "target"]  # no temporary directory left
+    old = os.umask(0o022)
+    try:
+        export_drafter(path, str(tmp_path / "new"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "new").st_mode & 0o777 == 0o755
+    export_drafter(path, str(tmp_path / "new"))  # an earlier export: updated
+    assert validate_drafter_dir(str(tmp_path / "new")).draft_vocab_size == validate_drafter_dir(path).draft_vocab_size
+
+
 def _ragged_batch(e, temps, lengths, seed):
     g = torch.Generator().manual_seed(seed)
     seqs, feats = [], []
