@@ -110,6 +110,19 @@ def _float_ctor(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
 _Loader.add_constructor("tag:yaml.org,2002:float", _float_ctor)
 
 
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", _unique_mapping)
+
+
 def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
@@ -188,9 +201,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool):
             raise bad()
-        if isinstance(value, (int, float)):
+        if isinstance(value, (int, float)) and math.isfinite(value):
             return float(value)
-        raise bad()
+        raise bad(" (not a finite number)" if isinstance(value, float) else "")
     if hint is str:
         if isinstance(value, str):
             return value
@@ -304,7 +317,7 @@ class ModelConfig(ConfigSection):
     """Megatron-Core checkpoint directory to load the actor from (wins over hf_path)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter/compute dtype of the actor and the rollout engine."""
-    seq_length: int = 2048
+    seq_length: int = 1024
     """Maximum tokens per sequence (prompt + response)."""
     arch: ArchConfig = field(default_factory=ArchConfig)
     """Architecture for random initialisation (only when hf_path and mcore_ckpt are null)."""
@@ -374,7 +387,7 @@ class OptimConfig(ConfigSection):
 
 @dataclass(kw_only=True)
 class RolloutConfig(ConfigSection):
-    max_new_tokens: int = 1024
+    max_new_tokens: int = 512
     """Maximum response tokens per sample."""
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy. The actor's log-probs use the same temperature."""
@@ -425,13 +438,20 @@ class RolloutConfig(ConfigSection):
         self._check(self.n_samples >= 2,
                     f"{self._key('n_samples')} must be >= 2 (GRPO normalises rewards within each "
                     f"prompt's group of samples), got {self.n_samples!r}")
+        self._check_min("spec_topk", 1)
+        self._check(self.spec_num_verify is None or self.spec_num_verify >= 2,
+                    f"{self._key('spec_num_verify')} must be >= 2 (the root and at least one "
+                    f"draft token) or null, got {self.spec_num_verify!r}")
         from megatron_tlt.spec.tree import Strategy, parse_strategy_schedule  # not the decoder
         try:
             schedule = parse_strategy_schedule(self.spec_depth)
             for _, d, k in schedule:  # each entry's own range checks
-                Strategy(depth=d, topk=1 if k is None else k)
+                Strategy(depth=d, topk=self.spec_topk if k is None else k,
+                         num_verify_tokens=self.spec_num_verify)
         except ConfigError as e:
             raise ConfigError(f"{self._key('spec_depth')}: {e}") from None
+        self._check(self.spec_threshold is None or self.spec_threshold >= 0,
+                    f"{self._key('spec_threshold')} must be >= 0 or null, got {self.spec_threshold!r}")
         if schedule[0][0] is None and schedule[0][2] is None:  # one depth (an override's "5" too)
             object.__setattr__(self, "spec_depth", schedule[0][1])
 
@@ -470,7 +490,8 @@ class TrainConfig(ConfigSection):
 @dataclass(kw_only=True)
 class LoggingConfig(ConfigSection):
     log_interval: int = 1
-    """Log metrics every this many steps."""
+    """Write metrics (metrics.jsonl, TensorBoard) every this many steps and at the last;
+    `sft` also at each validation."""
     tensorboard: bool = False
     """Also write TensorBoard event files under <train.out_dir>/tensorboard."""
 

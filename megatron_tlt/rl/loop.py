@@ -537,7 +537,8 @@ class RLRun:
         with tqdm(total=total, initial=self.step, desc="rl", unit="step", disable=self.rank != 0) as bar:
             while self.step < total:
                 m = self.run_step()
-                self.metrics.log(self.step, m)
+                if self.step % cfg.logging.log_interval == 0 or self.step == total:
+                    self.metrics.log(self.step, m)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}", len=m.get("len_p50"),
                                 loss=f"{m.get('pg_loss', 0):.3f}")

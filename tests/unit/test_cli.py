@@ -95,10 +95,10 @@ def test_unknown_config_key_is_one_line_exit_2(tmp_path):
 
 
 def test_seq_length_beyond_the_model_fails_before_conversion(tmp_path):
-    """`train` on the built-in defaults (model.seq_length 2048, the tiny default model's
-    1024 positions): the engine's max_model_len error came after the HF -> mcore
-    conversion and named no config key."""
-    proc = run_cli("train", f"train.out_dir={tmp_path / 'run'}")
+    """`train` on the built-in tiny default model (1024 positions) with model.seq_length
+    2048 (the defaults' value until session 43): the engine's max_model_len error came
+    after the HF -> mcore conversion and named no config key."""
+    proc = run_cli("train", "model.seq_length=2048", f"train.out_dir={tmp_path / 'run'}")
     line = assert_one_line_error(proc)
     assert line.startswith("error: model.seq_length (2048) exceeds the model's max_position_embeddings (1024, ")
     assert not (tmp_path / "run" / "init_mcore").exists()

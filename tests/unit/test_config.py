@@ -51,6 +51,23 @@ def test_defaults_are_valid_and_complete():
     assert set(config_to_dict(cfg)) == {"model", "parallel", "optim", "rollout", "train", "logging", "data", "sft", "rl"}
 
 
+def test_defaults_fit_the_built_in_tiny_default():
+    """`train` / `sft` without --config run the built-in tiny default: the default
+    seq_length must fit its context (2048 against 1024 failed both commands at once), and
+    the random-init architecture's too."""
+    import json
+    import os
+
+    from megatron_tlt.sft import TINY_DEFAULT_DIR
+
+    cfg = Config()
+    with open(os.path.join(TINY_DEFAULT_DIR, "config.json")) as f:
+        ctx = json.load(f)["max_position_embeddings"]
+    assert cfg.model.seq_length <= ctx
+    assert cfg.model.seq_length <= cfg.model.arch.max_position_embeddings
+    assert cfg.rollout.max_new_tokens < cfg.model.seq_length
+
+
 def test_yaml_then_overrides(tmp_path):
     path = write(
         tmp_path,
@@ -238,6 +255,12 @@ def test_bad_override_syntax():
                                   "prompt's group of samples), got 1"),
         (["rollout.temperature=1e-9"], "rollout.temperature must be 0 (greedy) or at least 1e-05, got 1e-09"),
         (["train.steps=0"], "train.steps must be >= 1, got 0"),
+        (["optim.lr=.inf"], "optim.lr must be float, got inf (not a finite number)"),
+        (["rollout.temperature=-.inf"], "rollout.temperature must be float, got -inf (not a finite number)"),
+        (["rollout.spec_topk=0"], "rollout.spec_topk must be >= 1, got 0"),
+        (["rollout.spec_num_verify=-3"], "rollout.spec_num_verify must be >= 2 (the root and at least one "
+                                         "draft token) or null, got -3"),
+        (["rollout.spec_threshold=-1"], "rollout.spec_threshold must be >= 0 or null, got -1"),
         (
             ["train.global_batch_size=12", "train.micro_batch_size=2", "parallel.dp=4"],
             "train.global_batch_size (12) must be a multiple of train.micro_batch_size (2) x parallel.dp (4)",
@@ -250,6 +273,13 @@ def test_bad_override_syntax():
 )
 def test_cross_field_checks(overrides, message):
     assert error_of(None, overrides) == message
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    """A section given twice lost the first one's keys silently (YAML 1.2: keys are unique)."""
+    path = write(tmp_path, "train:\n  steps: 5\nrollout:\n  top_k: 3\ntrain:\n  global_batch_size: 32\n")
+    message = error_of(path)
+    assert "duplicate key 'train'" in message and "cfg.yaml:5" in message, message
 
 
 def test_cross_field_checks_accept_edges():

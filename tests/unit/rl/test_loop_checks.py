@@ -130,3 +130,26 @@ def test_fit_keeps_what_the_engine_accepts():
     assert run._fit([fits, over]) == [fits]
     with pytest.raises(ConfigError, match=r"longer than model.seq_length \(64\) - rollout.max_new_tokens \(32\) tokens"):
         run._fit([over])
+
+
+def test_train_writes_metrics_every_log_interval_steps_and_at_the_last():
+    """logging.log_interval applies to `train` as to `sft` (it wrote every step): steps 2,
+    4 and the last (5) of 5 at an interval of 2; checkpoints are unaffected."""
+    from types import SimpleNamespace
+
+    from megatron_tlt.rl.loop import RLRun
+
+    logged, saved = [], []
+    run = SimpleNamespace(cfg=load_config(None, ["train.steps=5", "logging.log_interval=2",
+                                                 "train.save_interval=1"]),
+                          step=0, rank=1, data_pos=0, tokenizer_dir=None, actor=None, optimizer=None)
+
+    def run_step():
+        run.step += 1
+        return {"reward_mean": 0.0}
+
+    run.run_step = run_step
+    run.metrics = SimpleNamespace(log=lambda step, m: logged.append(step), close=lambda: None, path="m")
+    run.ckpt = SimpleNamespace(save=lambda step, *a, **k: saved.append(step), root="c")
+    RLRun.train(run)
+    assert logged == [2, 4, 5] and saved == [1, 2, 3, 4, 5]
