@@ -107,6 +107,9 @@ def read_prompts(path: str) -> list[tuple[int, dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TLTError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # integers past 4300 digits, deep nesting
+                raise TLTError(f"{where}: not valid JSON input ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:120]})") from None
             if not isinstance(rec, dict):
                 raise TLTError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             has_text, has_ids = "prompt" in rec, "prompt_token_ids" in rec
@@ -119,6 +122,13 @@ def read_prompts(path: str) -> list[tuple[int, dict]]:
             pid = rec.get("prompt_id", len(records))
             if not isinstance(pid, (str, int)) or isinstance(pid, bool):
                 raise TLTError(f"{where}: 'prompt_id' must be a string or an integer, got {pid!r}")
+            for key in ("prompt", "prompt_id"):
+                try:
+                    if isinstance(rec.get(key), str):
+                        rec[key].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise TLTError(f"{where}: '{key}' is not valid Unicode text (an unpaired "
+                                   f"surrogate such as \\ud800)") from None
             rec["prompt_id"] = pid
             records.append((lineno, rec))
     if not records:
@@ -166,17 +176,24 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
-    from megatron_tlt.rollout.request import Result, expand_requests
+    from megatron_tlt.rollout.request import MAX_SAMPLES, Result, expand_requests
     from megatron_tlt.rollout.sampling import SamplingParams
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
 
     spec = _arg(args, "spec", "off")
     policy = _spec_checked(args, spec)
     n = args.n
-    if n < 1:
-        raise TLTError(f"--n must be >= 1, got {n}")
+    if not 1 <= n <= MAX_SAMPLES:
+        raise TLTError(f"--n must be in [1, {MAX_SAMPLES}], got {n}")
     if os.path.isdir(args.out):  # before the generation, not at its rename
         raise TLTError(f"--out {args.out} is a directory, not a file")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise TLTError(f"--out {args.out}: directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise TLTError(f"--out {args.out}: directory {out_dir} is not writable")
+    if os.path.exists(args.prompts) and os.path.realpath(args.out) == os.path.realpath(args.prompts):
+        raise TLTError(f"--out {args.out} is the --prompts file; the results would replace the prompts")
     block_size = _arg(args, "block_size", 16)
     max_num_seqs = _arg(args, "max_num_seqs", 64)
     num_blocks = _arg(args, "num_blocks", None)
@@ -269,6 +286,11 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         results: list[Result] = engine.generate(requests, progress=on_progress) if requests else []
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"generate: interrupted with {bar.n} of {len(requests)} requests done; nothing "
+              f"written to {args.out}", file=sys.stderr)
+        raise
     finally:
         bar.close()
 

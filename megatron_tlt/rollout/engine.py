@@ -127,6 +127,7 @@ class RolloutEngine:
         self.model = InferenceModel(arch, weights, max_positions=max_model_len,
                                     attention=make_backend(attention_backend, precise=batch_invariant),
                                     batch_invariant=batch_invariant)
+        _check_kv_fits(arch, num_blocks, block_size, dtype, device)
         self.cache = PagedKVCache(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
                                   head_dim=arch.head_dim, num_blocks=num_blocks,
                                   block_size=block_size, dtype=dtype, device=device)
@@ -209,8 +210,15 @@ class RolloutEngine:
         if not ids:
             raise TLTError("prompt is empty (no prompt tokens)")
         for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TLTError(f"prompt token id {t!r} at index {i} is not an integer")
+            if not 0 <= t < v:
                 raise TLTError(f"prompt token id {t!r} at index {i} is outside the vocabulary [0, {v})")
+        try:  # the request's seed hashes it (sampling.request_seed)
+            str(req.prompt_id).encode("utf-8")
+        except UnicodeEncodeError:
+            raise TLTError(f"prompt_id {req.prompt_id!r} is not valid Unicode text (an unpaired "
+                           f"surrogate)") from None
         si = req.sample_index
         if not isinstance(si, int) or isinstance(si, bool) or si < 0:
             raise TLTError(f"sample_index must be an integer >= 0, got {si!r}")
@@ -637,3 +645,27 @@ class RolloutEngine:
         return AttentionMetadata(slot_mapping=parts[0], query_start=parts[1], context_lens=parts[2],
                                  block_tables=parts[3].view(b, width), tree_mask=tree_mask,
                                  host_query_start=list(starts), host_context_lens=list(ctx)), buf[:h]
+
+
+def _device_memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory (physical RAM for the CPU), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+    return None
+
+
+def _check_kv_fits(arch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """ConfigError, before allocating, for a KV cache larger than the device's whole memory
+    (an oversized --num-blocks / --block-size died in the allocator or the OOM killer)."""
+    need = (2 * arch.num_layers * num_blocks * block_size * arch.num_kv_heads * arch.head_dim
+            * torch.empty((), dtype=dtype).element_size())
+    have = _device_memory_bytes(device)
+    if have is not None and need > have:
+        raise ConfigError(f"the KV cache ({num_blocks} blocks x {block_size} tokens) needs "
+                          f"{need / 2**30:.1f} GiB, more than the {device.type} device's "
+                          f"{have / 2**30:.1f} GiB; lower num_blocks or block_size")

@@ -61,10 +61,16 @@ class Result:
                    error=message)
 
 
+MAX_SAMPLES = 1 << 16
+"""Samples of one prompt a single request line may ask for (a larger n exhausted the host's
+memory building the requests)."""
+
+
 def expand_requests(prompt_id: Any, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     n: int, **kwargs) -> list[Request]:
-    """The n samples of one prompt (sample_index 0..n-1)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise TLTError(f"prompt {prompt_id!r}: number of samples n must be an integer >= 1, got {n!r}")
+    """The n samples of one prompt (sample_index 0..n-1), n at most MAX_SAMPLES."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+        raise TLTError(f"prompt {prompt_id!r}: number of samples n must be an integer in "
+                       f"[1, {MAX_SAMPLES}], got {n!r}")
     return [Request(prompt_id=prompt_id, sample_index=i, prompt_token_ids=list(prompt_token_ids),
                     sampling_params=sampling_params, **kwargs) for i in range(n)]

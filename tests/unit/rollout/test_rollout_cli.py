@@ -94,7 +94,15 @@ def test_greedy_text_matches_tokens(model_dir, tmp_path):
     (['{"prompt": "w1", "prompt_token_ids": [1]}'], [], "exactly one of"),
     (['{"text": "w1"}'], [], "exactly one of"),
     (['{"prompt": 5}'], [], "'prompt' must be a string"),
-    (['{"prompt": "w1"}'], ["--n", "0"], "--n must be >= 1, got 0"),
+    (['{"prompt": "w1"}'], ["--n", "0"], r"--n must be in \[1, 65536\], got 0"),
+    (['{"prompt": "w1"}'], ["--n", "100000000000"], r"--n must be in \[1, 65536\], got 100000000000"),
+    # json.loads' ValueError / RecursionError were tracebacks
+    (['{"prompt_id": 1' + "0" * 5000 + ', "prompt": "w1"}'], [], r"p\.jsonl:1: not valid JSON input \(ValueError"),
+    (['{"prompt_token_ids": ' + "[" * 100000 + "]" * 100000 + "}"], [], r"p\.jsonl:1: not valid JSON input \(RecursionError"),
+    # a lone surrogate crashed request_seed, the tokenizer or the output write
+    (['{"prompt": "w1"}', '{"prompt_id": "\\ud800", "prompt": "w1"}'], [],
+     r"p\.jsonl:2: 'prompt_id' is not valid Unicode text"),
+    (['{"prompt": "w1 \\udc00"}'], [], r"p\.jsonl:1: 'prompt' is not valid Unicode text"),
     (['{"prompt": "w1"}'], ["--spec", "eagle"], "--spec eagle needs --drafter DIR"),
     (['{"prompt": "w1"}'], ["--drafter", "/x"], "--drafter needs --spec eagle"),
     (['{"prompt": "w1"}'], ["--spec", "ngram", "--spec-depth", "0"], "--spec flags: spec depth must be"),
@@ -122,6 +130,18 @@ def test_out_that_is_a_directory(model_dir, tmp_path):
     with pytest.raises(TLTError, match="--out .*adir is a directory, not a file"):
         main(_args(model_dir, prompts, tmp_path / "adir"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "p.jsonl"]
+
+
+def test_out_in_a_missing_directory_or_on_the_prompts(model_dir, tmp_path):
+    """--out in a directory that does not exist failed at the end, after the whole
+    generation (FileNotFoundError); --out equal to --prompts replaced the prompts."""
+    prompts = _write(tmp_path / "p.jsonl", ['{"prompt": "w1"}'])
+    with pytest.raises(TLTError, match="--out .*o.jsonl: directory .*nodir does not exist"):
+        main(_args(model_dir, prompts, tmp_path / "nodir" / "o.jsonl"))
+    before = prompts.read_text()
+    with pytest.raises(TLTError, match="is the --prompts file; the results would replace the prompts"):
+        main(_args(model_dir, prompts, prompts))
+    assert prompts.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
 
 
 def test_missing_prompts_file(model_dir, tmp_path):

@@ -15,7 +15,8 @@ BAD = {
     "empty": (dict(prompt_token_ids=[]), "prompt is empty"),
     "vocab_high": (dict(prompt_token_ids=[1, 300]), r"prompt token id 300 at index 1 is outside the vocabulary \[0, 300\)"),
     "vocab_negative": (dict(prompt_token_ids=[-1]), "prompt token id -1 at index 0"),
-    "not_int": (dict(prompt_token_ids=[1, 2.5]), "prompt token id 2.5 at index 1"),
+    "not_int": (dict(prompt_token_ids=[1, 2.5]), "prompt token id 2.5 at index 1 is not an integer"),
+    "not_int_str": (dict(prompt_token_ids=["5"]), "prompt token id '5' at index 0 is not an integer"),
     "too_long": (dict(prompt_token_ids=[1] * 30, sampling_params=SamplingParams(max_new_tokens=11)),
                  "prompt length 30 \\+ max_new_tokens 11 = 41 exceeds max_model_len 40"),
     "temperature": (dict(sampling_params=SamplingParams(temperature=-1.0)), "temperature must be"),
@@ -82,8 +83,11 @@ def test_not_a_request(engine):
 
 
 def test_n_must_be_positive():
-    with pytest.raises(TLTError, match=r"prompt 'q7': number of samples n must be an integer >= 1, got 0"):
+    with pytest.raises(TLTError, match=r"prompt 'q7': number of samples n must be an integer in \[1, 65536\], got 0"):
         expand_requests("q7", [1, 2], SamplingParams(), 0)
+    # a huge n exhausted the host's memory building the requests
+    with pytest.raises(TLTError, match=r"must be an integer in \[1, 65536\], got 100000000000"):
+        expand_requests("q7", [1, 2], SamplingParams(), 10 ** 11)
     reqs = expand_requests("q7", [1, 2], SamplingParams(), 3)
     assert [r.sample_index for r in reqs] == [0, 1, 2]
 
@@ -98,3 +102,22 @@ def test_engine_config_errors(hf_models):
         RolloutEngine(arch, w, num_blocks=0)
     with pytest.raises(ConfigError, match="eos token id 300"):
         RolloutEngine(arch, w, eos_token_ids=[300])
+
+
+def test_kv_cache_beyond_the_device_memory_is_refused_before_allocating(hf_models):
+    """num_blocks x block_size beyond the host's whole memory died in the allocator (or the
+    OOM killer) instead of naming the flags."""
+    arch, weights = load_hf(hf_models["llama"][0])
+    with pytest.raises(ConfigError, match=r"the KV cache \(1000000000 blocks x 1024 tokens\) needs .* GiB, "
+                                          r"more than the cpu device's .* GiB"):
+        RolloutEngine(arch, weights, num_blocks=10 ** 9, block_size=1024)
+
+
+def test_prompt_id_that_is_not_unicode_text_is_rejected_alone(engine):
+    """request_seed hashes str(prompt_id) as UTF-8: a lone surrogate raised
+    UnicodeEncodeError out of generate(), taking the other requests down with it."""
+    good = Request(prompt_id="g", prompt_token_ids=[4, 5], sampling_params=SamplingParams(max_new_tokens=3))
+    bad = Request(prompt_id="\ud800", prompt_token_ids=[4, 5], sampling_params=SamplingParams(max_new_tokens=3))
+    res = engine.generate([bad, good])
+    assert "prompt_id '\\ud800' is not valid Unicode text" in res[0].error and res[0].token_ids == []
+    assert res[1].error is None and res[1].token_ids == engine.generate([good])[0].token_ids
