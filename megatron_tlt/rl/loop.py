@@ -192,6 +192,7 @@ class RLRun:
             except CheckpointError as e:
                 raise CheckpointError(f"train.resume={cfg.train.resume}: {e}") from None
             self.step, self.data_pos = int(state["step"]), int(state["data_position"])
+            self._restore_rank_state(state.get("_rank_state"))
         self.ledger = os.path.join(self.out_dir, "ledger.jsonl")
         if self.rank == 0:
             _truncate_jsonl(self.ledger, self.step)  # steps after the checkpoint are redone
@@ -200,6 +201,23 @@ class RLRun:
         sync_actor_to_engine(self.actor, self.engine, version=self.step)
         self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard,
                                      resume_step=self.step if path is not None else None)
+
+    def _ngram_drafter(self):
+        sd = getattr(self.engine, "spec_decoder", None)
+        drafter = getattr(sd, "drafter", None)
+        return drafter if getattr(drafter, "name", None) == "ngram" else None
+
+    def _rank_state(self):
+        """This rank's state beyond the trainer's that a resumed run needs to replay the
+        same tokens: the n-gram drafter's per-prompt store (at temperature > 0 its drafts
+        decide which coins test which tokens); None without one."""
+        drafter = self._ngram_drafter()
+        return None if drafter is None else {"ngram_store": drafter.state_dict()}
+
+    def _restore_rank_state(self, rank_state) -> None:
+        drafter = self._ngram_drafter()
+        if drafter is not None and isinstance(rank_state, dict) and "ngram_store" in rank_state:
+            drafter.load_state_dict(rank_state["ngram_store"])
 
     # ---- setup helpers -----------------------------------------------------------------
     def _model_dir(self) -> Optional[str]:
@@ -544,7 +562,8 @@ class RLRun:
                                 loss=f"{m.get('pg_loss', 0):.3f}")
                 if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) or self.step == total:
                     self.ckpt.save(self.step, self.actor, self.optimizer,
-                                   {"data_position": self.data_pos}, tokenizer_from=self.tokenizer_dir)
+                                   {"data_position": self.data_pos}, tokenizer_from=self.tokenizer_dir,
+                                   rank_state=self._rank_state())
         self.metrics.close()
         if self.rank == 0:
             print(f"[train] done: {self.step} steps; metrics {self.metrics.path}; checkpoints {self.ckpt.root}")

@@ -14,7 +14,11 @@ Proposes what followed the longest recent suffix of the sequence elsewhere:
 
 No weights and no randomness: proposals are deterministic functions of the token
 sequences. They are one-hot (draft_probs=None), which the verifier accepts losslessly
-however they were chosen. A sequence with no match decodes plainly that step.
+however they were chosen. A sequence with no match decodes plainly that step. At
+temperature > 0 the drafts decide which of a request's coins test which tokens, so the
+tokens sampled (not their distribution) depend on the sources: the same requests, seeds,
+schedule and store give the same tokens. The RL loop checkpoints the store per rank
+(`state_dict`), so a resumed run replays the uninterrupted run's tokens.
 
 Index: per token list, a dict from each n-gram (n in [min_ngram, max_ngram]) to the
 positions right after its occurrences, updated incrementally as tokens are appended,
@@ -154,3 +158,24 @@ class NgramDrafter(Drafter):
 
     def clear_store(self) -> None:
         self.store.clear()
+
+    # The store is state: at temperature > 0 the drafts decide which coins test which
+    # tokens, so the tokens sampled depend on it (still from the target's distribution).
+    # A resumed RL run restores it to replay the uninterrupted run's tokens.
+    def state_dict(self) -> dict:
+        """The per-prompt store: {"store": [[prompt_id, prompt tokens, [response token
+        lists, oldest first]], ...]} (plain lists; torch.save / JSON-safe)."""
+        return {"format": 1, "store": [[key[0], list(key[1]), [idx.tokens[:] for idx in q]]
+                                       for key, q in self.store.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the store with a state_dict()'s (the live sequences are untouched)."""
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise ValueError(f"not an NgramDrafter state (format {state.get('format') if isinstance(state, dict) else None!r})")
+        self.store.clear()
+        for pid, prompt, lists in state["store"]:
+            q = self.store.setdefault((pid, tuple(prompt)), collections.deque(maxlen=self.max_store))
+            for tokens in lists:
+                idx = SuffixIndex(self.min_n, self.max_n)
+                idx.extend(tokens)
+                q.append(idx)

@@ -180,6 +180,30 @@ def test_resume_after_kill_is_bit_identical(setup, straight, tmp_path):
     assert len(ids) == len(set(ids)), "a prompt was processed twice"
 
 
+def test_resume_replays_ngram_rollouts_at_temperature_one(setup, tmp_path):
+    """spec=ngram at temperature 1 on two prompts (every step repeats them, so the drafter's
+    per-prompt store drafts from earlier steps' responses): the drafts decide which coins
+    test which tokens, so a run resumed without the store samples other tokens. The store
+    is checkpointed per rank: the resumed run's metrics equal the uninterrupted run's.
+    Negative control, run by hand at the previous commit (no store in the checkpoint):
+    steps 3 and 4 differed (drafted 203 vs 65 tokens at step 3; rewards, losses)."""
+    root, hf, _ = setup
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count {i}: " + " ".join(str(i + k) for k in range(3)),
+                                           "answer": f"a{i}"}) + "\n" for i in range(2)))
+    extra = ("rollout.spec=ngram", "rollout.temperature=1.0",
+             "rl.reward=megatron_tlt.testing.rewards:distinct_fraction")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _train(straight, hf, prompts, *extra)
+    rc = _train(killed, hf, prompts, *extra, env={"MEGATRON_TLT_FAULT_KILL_AT_STEP": str(KILL_AT)}, check=False)
+    assert rc == -signal.SIGKILL, f"the fault injection must kill the first run (exit {rc})"
+    _train(killed, hf, prompts, *extra)
+    a, b = _metrics(straight, keep_spec=True), _metrics(killed, keep_spec=True)
+    assert [r["step"] for r in a] == list(range(1, STEPS + 1))
+    assert all(r["drafted"] > 0 for r in a[KILL_AT - 1:]), a
+    assert a == b
+
+
 # ---- bad input -----------------------------------------------------------------------
 
 

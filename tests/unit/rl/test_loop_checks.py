@@ -134,15 +134,23 @@ def test_fit_keeps_what_the_engine_accepts():
 
 def test_train_writes_metrics_every_log_interval_steps_and_at_the_last():
     """logging.log_interval applies to `train` as to `sft` (it wrote every step): steps 2,
-    4 and the last (5) of 5 at an interval of 2; checkpoints are unaffected."""
-    from types import SimpleNamespace
+    4 and the last (5) of 5 at an interval of 2; checkpoints are unaffected, and each
+    carries the n-gram drafter's store as the rank's state (restored on resume: at
+    temperature > 0 the store decides which tokens are sampled)."""
+    from types import MethodType, SimpleNamespace
 
     from megatron_tlt.rl.loop import RLRun
+    from megatron_tlt.spec.ngram import NgramDrafter
 
     logged, saved = [], []
+    drafter = NgramDrafter()
+    drafter.load_state_dict({"format": 1, "store": [["p0", [1, 2], [[1, 2, 3, 4]]]]})
     run = SimpleNamespace(cfg=load_config(None, ["train.steps=5", "logging.log_interval=2",
                                                  "train.save_interval=1"]),
-                          step=0, rank=1, data_pos=0, tokenizer_dir=None, actor=None, optimizer=None)
+                          step=0, rank=1, data_pos=0, tokenizer_dir=None, actor=None, optimizer=None,
+                          engine=SimpleNamespace(spec_decoder=SimpleNamespace(drafter=drafter)))
+    for name in ("_ngram_drafter", "_rank_state", "_restore_rank_state"):
+        setattr(run, name, MethodType(getattr(RLRun, name), run))
 
     def run_step():
         run.step += 1
@@ -150,6 +158,12 @@ def test_train_writes_metrics_every_log_interval_steps_and_at_the_last():
 
     run.run_step = run_step
     run.metrics = SimpleNamespace(log=lambda step, m: logged.append(step), close=lambda: None, path="m")
-    run.ckpt = SimpleNamespace(save=lambda step, *a, **k: saved.append(step), root="c")
+    run.ckpt = SimpleNamespace(save=lambda step, *a, rank_state=None, **k: saved.append((step, rank_state)),
+                               root="c")
     RLRun.train(run)
-    assert logged == [2, 4, 5] and saved == [1, 2, 3, 4, 5]
+    assert logged == [2, 4, 5] and [s for s, _ in saved] == [1, 2, 3, 4, 5]
+    state = saved[-1][1]["ngram_store"]
+    assert state == drafter.state_dict() and state["store"][0][2] == [[1, 2, 3, 4]]
+    drafter.clear_store()
+    run._restore_rank_state({"ngram_store": state})
+    assert drafter.state_dict() == state

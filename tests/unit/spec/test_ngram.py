@@ -104,3 +104,37 @@ def test_store_speeds_up_repeated_prompts(spec_models):
     base, _ = run(d, reqs)
     assert [r.token_ids for r in base] == [r.token_ids for r in first]
     assert m2["acceptance_length"] > max(2.5, m1["acceptance_length"] or 1.0), (m1, m2)
+
+
+def test_store_state_replays_sampled_tokens_after_a_restart(spec_models):
+    """At temperature 1 the n-gram drafts decide which coins test which tokens, so the
+    store changes the tokens (still the target's distribution): a second generate call of
+    the same requests and seeds differs from the first. A fresh engine (a resumed run)
+    whose drafter loads the first engine's store (state_dict through torch.save) samples
+    the second call's tokens exactly; without it, the first call's (the negative control:
+    what a resumed RL run replayed before its store was checkpointed)."""
+    import io
+
+    import torch
+
+    d = spec_models["llama"]
+
+    def engine():
+        e = make_engine(d)
+        e.spec_decoder = SpecDecoder(NgramDrafter(max_ngram=3), Strategy(depth=4))
+        return e
+
+    reqs = requests(VOCAB["llama"], [5, 7], n=2, temperature=1.0, max_new_tokens=32, seed=7)
+    first_engine = engine()
+    first = [r.token_ids for r in first_engine.generate(reqs)]
+    buf = io.BytesIO()
+    torch.save(first_engine.spec_decoder.drafter.state_dict(), buf)
+    second = [r.token_ids for r in first_engine.generate(reqs)]
+    assert second != first
+    resumed = engine()
+    buf.seek(0)
+    resumed.spec_decoder.drafter.load_state_dict(torch.load(buf, weights_only=True))
+    assert [r.token_ids for r in resumed.generate(reqs)] == second
+    assert [r.token_ids for r in engine().generate(reqs)] == first
+    with pytest.raises(ValueError, match="not an NgramDrafter state"):
+        resumed.spec_decoder.drafter.load_state_dict({"store": []})
