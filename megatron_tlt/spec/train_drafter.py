@@ -124,7 +124,8 @@ def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
     1 = the target's features only): the loss is the mean over steps of each step's loss
     on the pairs that have a target; "loss", "feature_loss", "ce" and "top1" are step 1's
     (comparable across settings), "loss_all" the trained mean, "loss_<s>" / "top1_<s>"
-    step s's."""
+    step s's. top1: the share of pairs whose drafted token is the target's argmax over its
+    whole vocabulary (what greedy verification accepts)."""
     p = next(drafter.parameters())
     feats = pack.features.to(p.device, p.dtype)
     if feature_noise > 0:
@@ -133,8 +134,18 @@ def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
                                      pack.segment_ids.to(p.device), unroll)
     mask0 = pack.loss_mask.to(p.device)
     tgt0 = pack.target_features.to(p.device, p.dtype)
+    d2t = drafter.draft_to_target
     with torch.no_grad():
         logits0 = F.linear(tgt0, drafter.head_weight().to(tgt0.dtype)).float()
+        # top1 is greedy verification's test: the drafted token (in target ids) against
+        # the target's argmax over its whole vocabulary, which a reduced draft vocabulary
+        # may not hold (its argmax over the draft rows would count those as hits)
+        if d2t is None:
+            best0 = logits0.argmax(-1)
+        else:
+            d2t = d2t.to(p.device)
+            head = drafter.target_lm_head.detach().to(tgt0.dtype)
+            best0 = torch.cat([F.linear(c, head).argmax(-1) for c in tgt0.split(1024)])
     t = tgt0.shape[0]
     idx = torch.arange(t, device=p.device)
     metrics, losses = {}, []
@@ -148,7 +159,8 @@ def drafter_loss(drafter: EagleDrafter, pack: Pack, *, ce_weight: float = 0.1,
         ce = (-(soft * torch.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / n
         losses.append(feat_loss + ce_weight * ce)
         with torch.no_grad():
-            acc = ((logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum() / n
+            drafted = logits.argmax(-1) if d2t is None else d2t[logits.argmax(-1)]
+            acc = ((drafted == best0[ahead]) & mask).sum() / n
         if s == 0:
             metrics.update(loss=float(losses[0].detach()), feature_loss=float(feat_loss.detach()),
                            ce=float(ce.detach()), top1=float(acc), tokens=int(mask.sum()))
@@ -359,6 +371,8 @@ class ResumeState:
         tmp, cur, old = self._path("ckpt.tmp"), self._path("ckpt"), self._path("ckpt.old")
         shutil.rmtree(tmp, ignore_errors=True)
         trainer.save_checkpoint(tmp)
+        with open(os.path.join(tmp, "schedule.json"), "w") as f:  # --steps / --epochs resolved
+            json.dump({"lr_schedule": trainer.lr_schedule, "total_steps": trainer.total_steps}, f)
         torch.save(trainer.generator.get_state(), os.path.join(tmp, "generator.pt"))
         if os.path.exists(cur):
             shutil.rmtree(old, ignore_errors=True)
@@ -374,6 +388,14 @@ class ResumeState:
             path = self._path(name)
             if not os.path.exists(os.path.join(path, "generator.pt")):
                 continue
+            sched = os.path.join(path, "schedule.json")
+            if trainer.lr_schedule != "constant" and os.path.exists(sched):
+                with open(sched) as f:
+                    total = json.load(f)["total_steps"]
+                if total != trainer.total_steps:  # the steps before the cut followed another curve
+                    raise TLTError(f"{self.dir}: the run being resumed decays its learning rate "
+                                   f"({trainer.lr_schedule}) over {total} steps; --steps / --epochs "
+                                   f"now give {trainer.total_steps}: give the same, or --no-resume")
             tensors = load_file(os.path.join(path, WEIGHTS_FILE))
             for k in ("d2t", "t2d"):
                 tensors.pop(k, None)  # the vocabulary map: rebuilt from the same samples
@@ -554,7 +576,8 @@ def total_steps(num_packs: int, epochs: float | None) -> int:
     return max(1, math.ceil((DEFAULT_EPOCHS if epochs is None else epochs) * num_packs))
 
 
-# Options that do not change what a run computes (a resumed run may change them).
+# Options that do not change what a run computes (a resumed run may change them; steps /
+# epochs only with the constant schedule: ResumeState.load refuses another decay length).
 _RUN_ONLY = ("out", "no_progress", "no_resume", "save_every", "steps", "epochs")
 
 

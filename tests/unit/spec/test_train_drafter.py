@@ -406,3 +406,63 @@ def test_trainer_steps_at_the_scheduled_rate(data):
     assert rates["cosine"][5] < rates["cosine"][3] < 3e-3
     with pytest.raises(TLTError, match="total steps"):
         DrafterTrainer(build_drafter(engine.arch, engine.weights, samples), lr_schedule="cosine")
+
+
+def test_resume_refuses_another_decay_length(spec_models, tmp_path, monkeypatch):
+    """--steps / --epochs may change on resume only where they do not change the learning
+    rates already applied: with the cosine schedule a run cut at step 3 of 6 and resumed
+    with --steps 8 mixed two curves (accepted silently before); it is refused, naming the
+    flags, and the same --steps resumes. With the constant schedule another --steps resumes."""
+    import megatron_tlt.spec.train_drafter as td
+    d = spec_models["qwen2"]
+    data = _write_prompts(tmp_path / "p.jsonl", [{"prompt_token_ids": p} for p in prompts(300, [5, 6], seed=6)])
+
+    def cut_run(out, *extra):
+        base = ["--target", d, "--data", data, "--out", out, "--max-new-tokens", "6", "--batch-tokens", "12",
+                "--save-every", "1", "--no-progress", *extra]
+        step = td.DrafterTrainer.step
+
+        def cut(self, pack):
+            if self.step_count == 3:
+                raise _Crash
+            return step(self, pack)
+        with monkeypatch.context() as m:
+            m.setattr(td.DrafterTrainer, "step", cut)
+            with pytest.raises(_Crash):
+                main(base + ["--steps", "6"])
+        return base
+
+    base = cut_run(str(tmp_path / "cos"), "--lr-schedule", "cosine")
+    with pytest.raises(TLTError, match=r"decays its learning rate \(cosine\) over 6 steps; --steps / --epochs "
+                                       r"now give 8: give the same, or --no-resume"):
+        main(base + ["--steps", "8"])
+    assert main(base + ["--steps", "6"]) == 0
+    out = str(tmp_path / "cos")
+    assert json.loads(open(os.path.join(out, "train_summary.json")).read())["resumed_at_step"] == 3
+    base = cut_run(str(tmp_path / "const"))
+    assert main(base + ["--steps", "8"]) == 0
+
+
+def test_top1_is_greedy_verifications_test_with_a_reduced_vocabulary(data):
+    """With a reduced draft vocabulary, top1 compares the drafted token (in target ids) with
+    the target's argmax over its whole vocabulary: the argmax over the draft rows alone
+    counted drafts greedy verification rejects (the target's token outside the draft
+    vocabulary) as hits."""
+    import torch.nn.functional as F
+
+    from megatron_tlt.spec.train_drafter import drafter_loss
+
+    engine, _, samples = data
+    drafter = build_drafter(engine.arch, engine.weights, samples, draft_vocab_size=24, seed=0)
+    pack = pack_samples(samples, 4096)[0]
+    with torch.no_grad():
+        _, m = drafter_loss(drafter, pack)
+        _, logits = drafter.forward_packed(pack.tokens, pack.features, pack.positions, pack.segment_ids)
+        full = F.linear(pack.target_features, engine.weights.lm_head).argmax(-1)
+        restricted = drafter.draft_to_target[F.linear(pack.target_features, drafter.head_weight()).argmax(-1)]
+    drafted = drafter.draft_to_target[logits.argmax(-1)]
+    mask = pack.loss_mask
+    n = int(mask.sum())
+    assert m["top1"] == pytest.approx(float(((drafted == full) & mask).sum()) / n, abs=1e-6)  # float32
+    old = float(((drafted == restricted) & mask).sum()) / n
+    assert old != m["top1"], "the test needs targets outside the draft vocabulary"
