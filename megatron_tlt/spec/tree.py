@@ -400,7 +400,7 @@ class TreeBuilder:
 
     def expand_topk(self, logp: torch.Tensor,  # [len(frontier), V'] draft log-probs (-inf allowed)
                     to_target=None) -> None:
-        k = self.strategy.topk
+        k = min(self.strategy.topk, logp.shape[-1])  # a draft vocabulary may be smaller than topk
         vals, ids = torch.sort(logp.float(), dim=-1, descending=True, stable=True)
         vals, ids = vals[:, :k].tolist(), ids[:, :k]
         if to_target is not None:

@@ -93,6 +93,11 @@ def test_tree_builder():
     for _ in range(2):
         c.expand_sampled(3, torch.full((v,), 1 / v))
     assert c.done and c.result(v).tokens == [4, 3, 3] and c.result(v).draft_probs.shape == (3, v)
+    # topk beyond a (reduced) draft vocabulary: every token a child (an IndexError before,
+    # which took the engine's whole batch down)
+    t = TreeBuilder(0, Strategy(depth=1, topk=3, num_verify_tokens=4), max_depth=5)
+    t.expand_topk(torch.log(torch.tensor([[0.25, 0.75]])), lambda ids: ids + 10)
+    assert t.tokens == [0, 11, 10] and t.done
     f = TreeBuilder(4, Strategy(depth=3), max_depth=2)
     f.fail("nan")
     assert f.done and f.result(v).fallback_reason == "nan" and f.result(v).num_drafts == 0
