@@ -2,8 +2,8 @@
 
 HF checkpoint -> Megatron-Core dist-checkpoint (offline, one process) -> Megatron actor
 forward, checked against HF transformers -> rollouts from the native engine on
-held-out synthetic prompts, scored by the task rewards. It stands in for the RL loop
-in the Quick start until `megatron-tlt train` exists.
+held-out synthetic prompts, scored by the task rewards: the foundation alone (the
+Quick start runs `megatron-tlt train`).
 """
 
 from __future__ import annotations
