@@ -111,10 +111,16 @@ _Loader.add_constructor("tag:yaml.org,2002:float", _float_ctor)
 
 
 def _unique_mapping(loader, node, deep=False):
+    """A mapping whose keys are unique (YAML 1.2; PyYAML kept the last of a repeated key,
+    dropping an earlier section silently)."""
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
+        try:
+            repeated = key in seen
+        except TypeError:  # an unhashable key: construct_mapping's own error names it
+            continue
+        if repeated:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
