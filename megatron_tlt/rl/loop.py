@@ -45,8 +45,8 @@ def _percentiles(xs: list[int]) -> dict:
     if not xs:
         return {}
     s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"len_p50": pick(0.5), "len_p90": pick(0.9), "len_p99": pick(0.99), "len_max": s[-1],
+    pick = lambda pct: s[max(0, -(-pct * len(s) // 100) - 1)]  # noqa: E731 (nearest rank)
+    return {"len_p50": pick(50), "len_p90": pick(90), "len_p99": pick(99), "len_max": s[-1],
             "len_mean": sum(s) / len(s)}
 
 
@@ -541,8 +541,9 @@ class RLRun:
         m["weight_sync_gb_per_s"] = stats["gb_per_s"]
         self.step += 1
         self.data_pos += self.prompts_per_step
-        if self.rank == 0:  # the step's prompts on every DP rank (batch holds this rank's share)
-            step_ids = sorted({p.prompt_id for p in step_prompts})
+        if self.rank == 0:  # the step's prompts on every DP rank (batch holds this rank's share),
+            # in order, a prompt repeated within the step (an epoch boundary) listed twice
+            step_ids = [p.prompt_id for p in step_prompts]
             with open(self.ledger, "a") as f:
                 f.write(json.dumps({"step": self.step, "prompt_ids": step_ids}) + "\n")
         m["t_step"] = time.perf_counter() - t_step

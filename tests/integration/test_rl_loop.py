@@ -181,7 +181,7 @@ def test_resume_after_kill_is_bit_identical(setup, straight, tmp_path):
 
 
 def test_resume_replays_ngram_rollouts_at_temperature_one(setup, tmp_path):
-    """spec=ngram at temperature 1 on two prompts (every step repeats them, so the drafter's
+    """spec=ngram at temperature 1 on two prompts, three a step (every step repeats them, so the drafter's
     per-prompt store drafts from earlier steps' responses): the drafts decide which coins
     test which tokens, so a run resumed without the store samples other tokens. The store
     is checkpointed per rank: the resumed run's metrics equal the uninterrupted run's.
@@ -191,7 +191,7 @@ def test_resume_replays_ngram_rollouts_at_temperature_one(setup, tmp_path):
     prompts = tmp_path / "two.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"count {i}: " + " ".join(str(i + k) for k in range(3)),
                                            "answer": f"a{i}"}) + "\n" for i in range(2)))
-    extra = ("rollout.spec=ngram", "rollout.temperature=1.0",
+    extra = ("rollout.spec=ngram", "rollout.temperature=1.0", "train.global_batch_size=12",
              "rl.reward=megatron_tlt.testing.rewards:distinct_fraction")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _train(straight, hf, prompts, *extra)
@@ -202,6 +202,11 @@ def test_resume_replays_ngram_rollouts_at_temperature_one(setup, tmp_path):
     assert [r["step"] for r in a] == list(range(1, STEPS + 1))
     assert all(r["drafted"] > 0 for r in a[KILL_AT - 1:]), a
     assert a == b
+    # 3 prompts a step from 2: the ledger lists a prompt repeated within a step twice (a
+    # sorted set of ids hid the repeat)
+    la = _ledger(straight)
+    assert la == _ledger(killed) and all(len(r["prompt_ids"]) == 3 for r in la), la
+    assert all(len(set(r["prompt_ids"])) == 2 for r in la), la
 
 
 # ---- bad input -----------------------------------------------------------------------

@@ -167,3 +167,18 @@ def test_train_writes_metrics_every_log_interval_steps_and_at_the_last():
     drafter.clear_store()
     run._restore_rank_state({"ngram_store": state})
     assert drafter.state_dict() == state
+
+
+def test_length_percentiles_are_nearest_rank():
+    """len_p50 / p90 / p99 by nearest rank (data.tasks.length_stats' rule): int(q * n) was
+    one rank high whenever q * n is whole (10 lengths: p90 was the maximum; an even count:
+    p50 the upper middle value)."""
+    from megatron_tlt.data.tasks import length_stats
+    from megatron_tlt.rl.loop import _percentiles
+
+    for n in (1, 3, 10, 16, 100, 257):
+        xs = list(range(1, n + 1))[::-1]
+        got, want = _percentiles(xs), length_stats(xs)
+        assert (got["len_p50"], got["len_p90"], got["len_p99"], got["len_max"]) == (
+            want["median"], want["p90"], want["p99"], want["max"]), n
+    assert _percentiles(list(range(1, 11)))["len_p90"] == 9
