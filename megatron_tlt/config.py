@@ -115,6 +115,8 @@ def _unique_mapping(loader, node, deep=False):
     dropping an earlier section silently)."""
     seen = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: construct_mapping merges it
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             repeated = key in seen

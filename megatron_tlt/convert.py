@@ -21,7 +21,7 @@ import shutil
 import torch
 from tqdm import tqdm
 
-from megatron_tlt.errors import CheckpointError
+from megatron_tlt.errors import CheckpointError, ConfigError
 from megatron_tlt.models import hf_mapping, mcore, mcore_ckpt
 from megatron_tlt.models.arch import ModelArch
 
@@ -196,6 +196,12 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, shard_bytes: int = 5 * 2**30, prog
             raise CheckpointError(f"{source}: unreadable ({e!r})") from None
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{source}: not a JSON object")
+        try:  # another model's config (a tokenizer taken from elsewhere) would lend its fields
+            mcore_ckpt.check_same_arch(arch, ModelArch.from_hf_config(cfg, source), source)
+        except (ConfigError, CheckpointError, KeyError, TypeError, ValueError) as e:
+            log.warning("%s describes another model (%s); config.json from the architecture alone",
+                        source, e)
+            cfg = {}
     cfg.update(arch.to_hf_config())
     cfg["torch_dtype"] = meta["dtype"]
     if "dtype" in cfg:  # newer transformers write dtype for torch_dtype

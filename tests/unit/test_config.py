@@ -275,6 +275,15 @@ def test_cross_field_checks(overrides, message):
     assert error_of(None, overrides) == message
 
 
+def test_yaml_merge_keys_still_merge(tmp_path):
+    """The duplicate-key check leaves `<<:` merge keys to PyYAML (it refused every merge
+    key: no constructor for the merge tag); a local key overrides a merged one."""
+    path = write(tmp_path, "rollout:\n  <<: {temperature: 0.7, max_new_tokens: 64}\n  max_new_tokens: 32\n")
+    cfg = load_config(path, [])
+    assert (cfg.rollout.temperature, cfg.rollout.max_new_tokens) == (0.7, 32)
+    assert config_mod._parse_yaml("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n") == {"a": {"k": 1}, "b": {"k": 1, "j": 2}}
+
+
 def test_duplicate_yaml_key_is_an_error(tmp_path):
     """A section given twice lost the first one's keys silently (YAML 1.2: keys are unique)."""
     path = write(tmp_path, "train:\n  steps: 5\nrollout:\n  top_k: 3\ntrain:\n  global_batch_size: 32\n")

@@ -205,6 +205,12 @@ def test_mcore_to_hf_keeps_the_source_config_and_counts_the_written_bytes(tmp_pa
         with safe_open(str(back / f), "pt") as h:
             written += sum(h.get_tensor(k).numel() * h.get_tensor(k).element_size() for k in h.keys())
     assert idx["metadata"]["total_size"] == written
+    # a source config of another model (a tokenizer taken from elsewhere) lends nothing
+    other = dict(cfg, hidden_size=cfg["hidden_size"] * 2, eos_token_id=99)
+    (tmp_path / "mc" / "hf_config.json").write_text(json.dumps(other))
+    mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "back2"), progress=False)
+    got = json.loads((tmp_path / "back2" / "config.json").read_text())
+    assert got["hidden_size"] == cfg["hidden_size"] and "eos_token_id" not in got
 
 
 @pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, ["weight_map"],
