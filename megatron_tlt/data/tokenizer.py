@@ -157,8 +157,14 @@ def _from_hf_dir(path: Path, chat_template: bool) -> Tokenizer:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - transformers is a hard dependency
         raise TLTError(f"tokenizer {path}: loading an HF tokenizer needs transformers ({exc})") from None
+    loader = AutoTokenizer
+    if _declared_class(path) == "PreTrainedTokenizerFast":
+        # the generic fast tokenizer the directory names: AutoTokenizer picks config.json's
+        # model family's class instead (transformers 5: Qwen2Tokenizer for a qwen2 model,
+        # which re-tokenizes a tokenizer.json of another kind: the tiny one lost its spaces)
+        from transformers import PreTrainedTokenizerFast as loader
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = loader.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         if (path / "tokenizer.json").is_file():  # a bare tokenizers file next to an odd config
             return _from_tokenizer_json(path / "tokenizer.json", str(path), _special_map(path))
@@ -171,6 +177,16 @@ def _from_hf_dir(path: Path, chat_template: bool) -> Tokenizer:
     return Tokenizer(tok, kind="transformers", name_or_path=str(path), eos_id=eos,
                      bos_id=tok.bos_token_id, pad_id=eos if pad is None else pad,
                      vocab_size=len(tok), chat_template=chat_template)
+
+
+def _declared_class(directory: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class, None when absent or unreadable."""
+    try:
+        data = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    cls = data.get("tokenizer_class") if isinstance(data, dict) else None
+    return cls if isinstance(cls, str) else None
 
 
 def _special_map(directory: Path) -> dict[str, str] | None:

@@ -61,6 +61,23 @@ def test_hf_auto_tokenizer_loads_tiny_directory_identically():
     assert (hf.bos_id, hf.eos_id, hf.pad_id, hf.vocab_size) == (1, 2, 0, 100)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tiny_files_beside_a_model_config_load_as_the_tiny_tokenizer(tmp_path, family):
+    """An SFT / RL export of a model trained with the tiny tokenizer (its files next to the
+    model's config.json) encodes as training did, for every family: with model_type qwen2,
+    AutoTokenizer chose Qwen2Tokenizer over the declared PreTrainedTokenizerFast and
+    dropped every space and newline."""
+    import shutil
+
+    for f in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, "architectures": ["X"]}))
+    text = "Compute left to right, mod 100: 13-74+8\nanswer"
+    tiny = load_tokenizer("tiny")
+    got = load_tokenizer(str(tmp_path))
+    assert got.encode(text) == tiny.encode(text) and got.decode(got.encode(text)) == text
+
+
 def test_bare_tokenizer_json_file():
     tok = load_tokenizer(TINY_TOKENIZER_DIR / "tokenizer.json")
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 0)
