@@ -463,7 +463,9 @@ def main(args: argparse.Namespace) -> int:
                                "-ahead, -noahead, -vahead, -readback at one depth) emit the same tokens, "
                                "so their rows differ in step cost alone (eagle-torchprobs too, but for a "
                                "decision its other float32 roundings may flip: rare)",
-                      "acceptance_length": "tokens emitted per verification (accepted drafts + 1), vLLM's definition",
+                      "acceptance_length": "tokens per verification (accepted drafts + 1), vLLM's definition: "
+                                           "drafts accepted and then cut by a stop or max_new_tokens count; "
+                                           "the mean over repeats that verified anything (null: none did)",
                       "tokens_equal_plain": "--temperature 0 only: the share of (repeat, request) pairs whose "
                                             "tokens equal plain decoding's (lossless: 1.0; below it a warning)",
                       "breakdown": "a separate run of --breakdown-tokens new tokens with the device synchronised "
@@ -506,13 +508,15 @@ def main(args: argparse.Namespace) -> int:
                 same = [a == o for x, xo in zip(xs, runs["off"]) for a, o in zip(x["_tokens"], xo["_tokens"])]
                 row["tokens_equal_plain"] = sum(same) / len(same)
             if mode != "off":
-                row["acceptance_length"] = statistics.mean(x["acceptance_length"] or 0.0 for x in xs)
-                row["acceptance_rate"] = statistics.mean(x["acceptance_rate"] or 0.0 for x in xs)
+                for k in ("acceptance_length", "acceptance_rate"):  # repeats that verified anything
+                    vals = [x[k] for x in xs if x[k] is not None]
+                    row[k] = statistics.mean(vals) if vals else None
                 row["speedup"] = row["tokens_per_s"] / off_tps if off_tps else None
                 row["length_mismatch"] = bool(off_len and abs(row["mean_len"] / off_len - 1) > 0.25)
             rows.append(row)
-            acc = (f" acceptance length {row['acceptance_length']:.2f}, speedup {row['speedup']:.2f}x"
-                   if mode != "off" else "")
+            length = "n/a" if row.get("acceptance_length") is None else f"{row['acceptance_length']:.2f}"
+            speedup = "n/a" if row.get("speedup") is None else f"{row['speedup']:.2f}x"
+            acc = f" acceptance length {length}, speedup {speedup}" if mode != "off" else ""
             steps = (f"; first step {row['first_step_ms']:.1f} ms, then {row['median_step_ms']:.2f} ms "
                      f"per step (median)" if row["median_step_ms"] is not None else "")
             tail = (f"; tail {x0['tail_steps']} of {x0['steps']} steps, {100 * row['tail_wall_share']:.0f}% "

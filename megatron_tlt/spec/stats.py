@@ -4,8 +4,10 @@ Terms (verify_ref.py defines them; vLLM's definitions):
 - drafted: draft tokens sent to the verifier; accepted: those it kept;
 - num_drafts: verification steps (one per sequence per speculative step);
 - acceptance rate = accepted / drafted;
-- acceptance length = 1 + accepted / num_drafts: mean tokens emitted per verification
-  step (before truncation at a stop);
+- acceptance length = 1 + accepted / num_drafts: mean tokens per verification step
+  before truncation: drafts the verifier accepted count even where a stop token, stop
+  string or max_new_tokens then cut them from the output (a measure of the drafter, as
+  vLLM counts it; the output can hold fewer tokens);
 - fallbacks: steps where a sequence meant to speculate decoded plainly because its
   drafter failed (non-finite outputs); plain_steps counts every plain decode step.
 

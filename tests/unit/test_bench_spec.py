@@ -280,3 +280,15 @@ def test_bench_spec_greedy_rows_check_the_tokens_against_plain(tmp_path, capsys,
     rows = {r["mode"]: r for r in json.loads((tmp_path / "spec.json").read_text())["results"]}
     assert rows["ngram"]["tokens_equal_plain"] == 0.5  # the first of 2 requests changed in each repeat
     assert "WARNING greedy tokens differ from plain decoding" in capsys.readouterr().out
+
+
+def test_bench_spec_without_verifications_reports_no_acceptance(tmp_path, capsys):
+    """One new token: nothing is verified. The row's acceptance length is null and printed
+    n/a (it averaged a missing value as 0.0, below the 1.0 every verification gives)."""
+    out = tmp_path / "b.json"
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--batch-sizes", "1",
+                 "--max-new-tokens", "1", "--min-sequences", "1", "--breakdown-tokens", "1",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    (row,) = [r for r in json.loads(out.read_text())["results"] if r["mode"] == "ngram"]
+    assert row["acceptance_length"] is None and row["acceptance_rate"] is None
+    assert "acceptance length n/a" in capsys.readouterr().out
