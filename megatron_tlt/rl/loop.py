@@ -72,6 +72,30 @@ def rollout_time_metrics(step_log: list[tuple[int, float]], num_requests: int,
     return m
 
 
+def _spec_step_metrics(parts: list[tuple[dict, dict]]) -> dict:
+    """The step's speculative-decoding figures over every DP rank's rollout: `parts` holds
+    each rank's (SpecMetrics total, {bucket: (accepted, drafted, num_drafts)}); counts are
+    summed and the acceptance rate / length (overall and accept_len_b<bucket>) computed
+    from the sums (rank 0's own figures were logged for the whole step before). Empty
+    without speculative decoding."""
+    if not any(total for total, _ in parts):
+        return {}
+    m = {k: sum(int(total.get(k, 0)) for total, _ in parts) for k in ("drafted", "accepted", "fallbacks")}
+    n = sum(int(total.get("num_drafts", 0)) for total, _ in parts)
+    m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else None
+    m["acceptance_length"] = 1.0 + m["accepted"] / n if n else None
+    buckets: dict[str, list[int]] = {}
+    for _, rows in parts:
+        for name, (acc, _drafted, num) in rows.items():
+            b = buckets.setdefault(name, [0, 0])
+            b[0] += acc
+            b[1] += num
+    for name, (acc, num) in buckets.items():
+        if num:
+            m[f"accept_len_b{_key(name)}"] = 1.0 + acc / num
+    return {k: v for k, v in m.items() if v is not None}
+
+
 def _key(bucket: str) -> str:
     """A bucket name as a metric-name suffix TensorBoard accepts: 2-4 -> 2_4, 33+ -> 33_up."""
     return bucket.replace("-", "_").replace("+", "_up")
@@ -435,6 +459,8 @@ class RLRun:
             "rollout_logprobs": [list(r.logprobs or []) for r in results],
             "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
             "policy_version": self.engine.policy_version, "spec": spec, "timing": timing,
+            "spec_buckets": {k: (row["accepted"], row["drafted"], row["num_drafts"])
+                             for k, row in summary.get("by_batch_size", {}).items()},
         }
 
     def run_step(self) -> dict:
@@ -465,22 +491,22 @@ class RLRun:
         # reward and length figures over the whole step: every DP rank's groups (this rank
         # holds its share; the rollout speed stays this rank's own)
         all_rewards, all_keep, all_lengths = rewards, keep, lengths
+        spec_parts = [(ro["spec"], ro["spec_buckets"])]
         if self.dp > 1:
             parts = [None] * self.dp
-            dist.all_gather_object(parts, (rewards.tolist(), keep.tolist(), lengths),
-                                   group=ps.get_data_parallel_group())
+            dist.all_gather_object(parts, (rewards.tolist(), keep.tolist(), lengths, ro["spec"],
+                                           ro["spec_buckets"]), group=ps.get_data_parallel_group())
             all_rewards = torch.tensor([r for p in parts for r in p[0]], dtype=torch.float32)
             all_keep = torch.tensor([k for p in parts for k in p[1]], dtype=torch.bool)
             all_lengths = [n for p in parts for n in p[2]]
+            spec_parts = [(p[3], p[4]) for p in parts]
         m = {"reward_mean": float(all_rewards.mean()),
              "reward_std": float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
              "groups_kept": int(all_keep.sum()), "groups": int(all_keep.numel()), **_percentiles(all_lengths),
              "t_rollout": ro["t_rollout"], **ro["timing"], "t_reward": ro["t_reward"],
              "rollout_tokens_per_s": sum(lengths) / max(ro["t_rollout"], 1e-9),
              "policy_version": ro["policy_version"]}
-        for k in ("acceptance_rate", "acceptance_length", "drafted", "accepted", "fallbacks"):
-            if isinstance(ro["spec"].get(k), (int, float)):
-                m[k] = ro["spec"][k]
+        m.update(_spec_step_metrics(spec_parts))
         # Every DP rank must run the same number of micro-batches: pad with masked rows.
         n_local = torch.tensor([len(rows)], dtype=torch.long, device=self.actor.device)
         dist.all_reduce(n_local, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
