@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_tlt.convert import is_conversion_of
+from megatron_tlt.data.tasks import length_stats
 from megatron_tlt.errors import CheckpointError, ConfigError, TLTError
 from megatron_tlt.spec.stats import bucket_of
 
@@ -42,12 +43,12 @@ def request_seed(run_seed: int, step: int, prompt_id: str, sample_index: int) ->
 
 
 def _percentiles(xs: list[int]) -> dict:
+    """The step's response-length figures: data.tasks.length_stats (nearest rank), as ints."""
     if not xs:
         return {}
-    s = sorted(xs)
-    pick = lambda pct: s[max(0, -(-pct * len(s) // 100) - 1)]  # noqa: E731 (nearest rank)
-    return {"len_p50": pick(50), "len_p90": pick(90), "len_p99": pick(99), "len_max": s[-1],
-            "len_mean": sum(s) / len(s)}
+    st = length_stats(xs)
+    return {"len_p50": int(st["median"]), "len_p90": int(st["p90"]), "len_p99": int(st["p99"]),
+            "len_max": int(st["max"]), "len_mean": st["mean"]}
 
 
 def rollout_time_metrics(step_log: list[tuple[int, float]], num_requests: int,
@@ -74,7 +75,7 @@ def rollout_time_metrics(step_log: list[tuple[int, float]], num_requests: int,
 
 def _spec_step_metrics(parts: list[tuple[dict, dict]]) -> dict:
     """The step's speculative-decoding figures over every DP rank's rollout: `parts` holds
-    each rank's (SpecMetrics total, {bucket: (accepted, drafted, num_drafts)}); counts are
+    each rank's (SpecMetrics total, {bucket: (accepted, num_drafts)}); counts are
     summed and the acceptance rate / length (overall and accept_len_b<bucket>) computed
     from the sums (rank 0's own figures were logged for the whole step before). Empty
     without speculative decoding."""
@@ -86,7 +87,7 @@ def _spec_step_metrics(parts: list[tuple[dict, dict]]) -> dict:
     m["acceptance_length"] = 1.0 + m["accepted"] / n if n else None
     buckets: dict[str, list[int]] = {}
     for _, rows in parts:
-        for name, (acc, _drafted, num) in rows.items():
+        for name, (acc, num) in rows.items():
             b = buckets.setdefault(name, [0, 0])
             b[0] += acc
             b[1] += num
@@ -459,7 +460,7 @@ class RLRun:
             "rollout_logprobs": [list(r.logprobs or []) for r in results],
             "rewards": rewards, "t_rollout": t_roll, "t_reward": t_rew,
             "policy_version": self.engine.policy_version, "spec": spec, "timing": timing,
-            "spec_buckets": {k: (row["accepted"], row["drafted"], row["num_drafts"])
+            "spec_buckets": {k: (row["accepted"], row["num_drafts"])
                              for k, row in summary.get("by_batch_size", {}).items()},
         }
 

@@ -143,7 +143,7 @@ class DecodeRunner:
         self._host[:, :_NCOL] = self._pad
         self._meta.copy_(self._host)
         self._rows: list[list[int] | None] = [None] * self.max_batch  # block table per row
-        self._advance_work: tuple[torch.Tensor, int] | None = None  # advance_greedy's, its vocab
+        self._advance_work: torch.Tensor | None = None  # advance_greedy's (greedy_advance_work)
         self._copy_done = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._ghidden: dict[int, dict[str, torch.Tensor]] = {}  # each decode graph's hidden outputs
@@ -209,14 +209,13 @@ class DecodeRunner:
         sequences' blocks must already hold the next position (cache.ensure)."""
         from megatron_tlt.rollout.triton_sample import greedy_advance, greedy_advance_work
 
-        v = logits.shape[-1]
-        if self._advance_work is None or self._advance_work[1] != v:
+        if self._advance_work is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("advance_greedy: first call during CUDA graph capture; run it "
                                    "eagerly first (its work buffer is allocated then)")
-            self._advance_work = (greedy_advance_work(self.max_batch, v, self.device), v)
+            self._advance_work = greedy_advance_work(self.max_batch, self.vocab_size, self.device)
         greedy_advance(logits[:n], self._meta, self.cache.block_size, id_col=_ID, pos_col=_POS,
-                       slot_col=_SLOT, ctx_col=_CTX, table_col=_NCOL, work=self._advance_work[0])
+                       slot_col=_SLOT, ctx_col=_CTX, table_col=_NCOL, work=self._advance_work)
 
     def prepare(self, seqs) -> int:
         """Write the decode inputs of `seqs` (each with one pending token, its blocks
