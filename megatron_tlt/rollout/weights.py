@@ -153,6 +153,11 @@ class EngineWeights:
                            f"engine's current version {self.version}")
         for name, t in named_tensors.items():
             view = self._views.get(name)
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                # load_hf drops it and hf_names leaves it out; copying it would overwrite the
+                # embedding, and with both names given the dict's order would pick the winner
+                raise TLTError("update_weights: 'lm_head.weight' given for a model with tied "
+                               "embeddings; the head is 'model.embed_tokens.weight'")
             if view is None:
                 raise TLTError(f"update_weights: unknown tensor name {name!r} for a "
                                f"{self.arch.family} model with {self.arch.num_layers} layers")

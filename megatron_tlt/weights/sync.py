@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_tlt.models import hf_mapping
+from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
 
 _NON_LAYER = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
@@ -150,8 +151,14 @@ def sync_actor_to_engine(actor, engine, version: int) -> dict:
     """Copy the actor's weights into `engine` (None on ranks without one) in place.
 
     Returns {"seconds", "bytes", "gb_per_s", "tensors"}; the engine's policy version
-    becomes `version` once every bucket is written.
+    becomes `version` once every bucket is written. A version older than the engine's is
+    refused before anything is written; a sync that leaves tensors out (a mapping bug)
+    raises after writing the rest, and the error says the engine holds a partial update.
     """
+    if engine is not None and (not isinstance(version, int) or isinstance(version, bool)
+                               or version < engine.policy_version):
+        raise TLTError(f"weight sync: policy version {version!r} is not an int at least the "
+                       f"engine's current version {engine.policy_version}; nothing was written")
     t0 = time.perf_counter()
     nbytes = ntensors = 0
     seen: set[str] = set()
@@ -165,7 +172,9 @@ def sync_actor_to_engine(actor, engine, version: int) -> dict:
         expected = set(hf_mapping.hf_names(actor.arch))
         if seen != expected:
             missing = sorted(expected - seen)[:3]
-            raise RuntimeError(f"weight sync covered {len(seen)} of {len(expected)} tensors; missing e.g. {missing}")
+            raise RuntimeError(f"weight sync covered {len(seen)} of {len(expected)} tensors; missing e.g. "
+                               f"{missing}: the engine now holds a partial update (policy version "
+                               f"{engine.policy_version} kept); stop the run")
         engine.update_weights({}, version=version)
     if torch.cuda.is_available():
         torch.cuda.synchronize()

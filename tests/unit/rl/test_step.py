@@ -148,3 +148,28 @@ def test_actor_logprobs_are_the_engines_at_the_rollout_temperature():
     assert ntok >= 40
     assert gap(0.7) < 1e-4, f"actor vs engine log-probs at T=0.7: {gap(0.7):.2e} nats per token"
     assert gap(1.0) > 0.05, f"negative control: untempered log-probs only {gap(1.0):.2e} from the engine's"
+
+
+def test_weight_sync_refuses_an_older_version_before_writing():
+    """A sync whose version is older than the engine's is refused with the engine's weights
+    untouched (the version was checked only after every bucket had been copied in: the old
+    code changed every tensor and then raised, leaving new weights under the old version);
+    the same sync at a newer version goes through (the check does not refuse everything)."""
+    from megatron_tlt.errors import TLTError
+    from megatron_tlt.rollout import EngineWeights, RolloutEngine
+    from megatron_tlt.weights.sync import sync_actor_to_engine
+
+    mcore.init_parallel(1, 1, seed=0)
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3", vocab_size=60, num_layers=2).to_dict())
+    actor = Actor(arch, init_seed=0)
+    weights = EngineWeights.make_dummy(arch, seed=1)
+    engine = RolloutEngine(arch, weights, max_num_seqs=2, num_blocks=16, block_size=4)
+    engine.update_weights({}, version=7)
+    before = [t.clone() for t in weights.tensors()]
+    with pytest.raises(TLTError, match="policy version 3 is not an int at least the engine's current version 7"):
+        sync_actor_to_engine(actor, engine, version=3)
+    assert all(torch.equal(a, b) for a, b in zip(before, weights.tensors()))
+    assert engine.policy_version == 7
+    sync_actor_to_engine(actor, engine, version=8)
+    assert engine.policy_version == 8
+    assert sum(not torch.equal(a, b) for a, b in zip(before, weights.tensors())) >= len(before) - 1

@@ -89,6 +89,22 @@ def test_tied_lm_head_is_the_embedding(hf_models):
     assert not arch.tie_word_embeddings and w.lm_head is not w.embed
 
 
+def test_tied_lm_head_update_refused(hf_models):
+    """update_weights refuses 'lm_head.weight' on a tied model (load_hf drops it): it was
+    copied over the embedding, so the same dict gave another engine than load_hf, and with
+    both names the dict's order picked the embedding. Untied, it is still accepted."""
+    arch, w = load_hf(hf_models["qwen2"][0])
+    before = w.embed.clone()
+    head = torch.randn(arch.vocab_size, arch.hidden_size)
+    with pytest.raises(TLTError, match="'lm_head.weight' given for a model with tied embeddings"):
+        w.update_weights({"model.embed_tokens.weight": before + 1, "lm_head.weight": head}, version=1)
+    assert torch.equal(w.embed, before) and w.version == 0
+    arch, w = load_hf(hf_models["llama"][0])
+    head = torch.randn(arch.vocab_size, arch.hidden_size)
+    w.update_weights({"lm_head.weight": head}, version=1)
+    assert torch.equal(w.lm_head, head) and w.version == 1
+
+
 def test_sharded_checkpoint_loads_identically(hf_models, tmp_path):
     model_dir, hf = hf_models["llama"]
     sharded = tmp_path / "sharded"
