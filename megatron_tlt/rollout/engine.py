@@ -273,26 +273,26 @@ class RolloutEngine:
         version = self.weights.version
         results: list[Result | None] = [None] * len(requests)
         seen: dict[tuple[str, int], int] = {}
-        for i, req in enumerate(requests):
-            name = (f"request {i} (prompt_id={getattr(req, 'prompt_id', None)!r}, "
-                    f"sample_index={getattr(req, 'sample_index', None)!r})")
-            try:
-                seq = self.add_sequence(req, index=i)
-                key = (str(req.prompt_id), req.sample_index)
-                if key in seen:
-                    raise TLTError(f"duplicate of request {seen[key]} (same prompt_id and "
-                                   f"sample_index would sample identical tokens)")
-                seen[key] = i
-            except TLTError as e:
-                results[i] = Result.rejected(req, f"{name}: {e}", version)
-                continue
-            self.scheduler.add(seq)
-        num_done = sum(r is not None for r in results)
-        first_token = self.num_appended
-        start = time.perf_counter()
         self._spec_strategy = spec_strategy
         self.step_log = log = []
-        try:
+        try:  # from the first admission: an error or interrupt leaves nothing queued
+            for i, req in enumerate(requests):
+                name = (f"request {i} (prompt_id={getattr(req, 'prompt_id', None)!r}, "
+                        f"sample_index={getattr(req, 'sample_index', None)!r})")
+                try:
+                    seq = self.add_sequence(req, index=i)
+                    key = (str(req.prompt_id), req.sample_index)
+                    if key in seen:
+                        raise TLTError(f"duplicate of request {seen[key]} (same prompt_id and "
+                                       f"sample_index would sample identical tokens)")
+                    seen[key] = i
+                except TLTError as e:
+                    results[i] = Result.rejected(req, f"{name}: {e}", version)
+                    continue
+                self.scheduler.add(seq)
+            num_done = sum(r is not None for r in results)
+            first_token = self.num_appended
+            start = time.perf_counter()
             while self.scheduler.has_work():
                 t0 = time.perf_counter()
                 scheduled, finished = self.step()

@@ -78,7 +78,7 @@ class SamplingParams:
 
     def check(self, vocab_size: int) -> None:
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not _finite(t) or t < 0:
             raise TLTError(f"temperature must be a finite number >= 0, got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise TLTError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
@@ -103,6 +103,14 @@ class SamplingParams:
                 raise TLTError(f"stop strings must be non-empty strings, got {s!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise TLTError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _finite(x: int | float) -> bool:
+    """math.isfinite that answers False for an int too large for a float (it raised)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _is_int(x) -> bool:

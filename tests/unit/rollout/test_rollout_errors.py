@@ -23,6 +23,9 @@ BAD = {
     # logits / 1e-38 overflowed float32: NaN logprobs and token 0, unrejected
     "tiny_temperature": (dict(sampling_params=SamplingParams(temperature=1e-38)),
                          r"temperature must be 0 \(greedy\) or at least 1e-05, got 1e-38"),
+    # math.isfinite(10**400) raised OverflowError out of generate(), taking the batch down
+    "huge_int_temperature": (dict(sampling_params=SamplingParams(temperature=10 ** 400)),
+                             "temperature must be a finite number >= 0"),
     "top_p": (dict(sampling_params=SamplingParams(top_p=0.0)), r"top_p must be in \(0, 1\]"),
     "top_k": (dict(sampling_params=SamplingParams(top_k=-5)), "top_k must be"),
     "max_new": (dict(sampling_params=SamplingParams(max_new_tokens=0)), "max_new_tokens must be"),
@@ -121,3 +124,29 @@ def test_prompt_id_that_is_not_unicode_text_is_rejected_alone(engine):
     res = engine.generate([bad, good])
     assert "prompt_id '\\ud800' is not valid Unicode text" in res[0].error and res[0].token_ids == []
     assert res[1].error is None and res[1].token_ids == engine.generate([good])[0].token_ids
+
+
+def test_an_interrupt_while_admitting_leaves_nothing_queued(engine, monkeypatch):
+    """An exception other than a request's own TLTError (here a KeyboardInterrupt on the
+    second request) left the requests admitted before it in the scheduler's queue: the next
+    generate() ran them too and returned request A's tokens as request C's result."""
+    params = SamplingParams(max_new_tokens=4, seed=1)
+    a = Request(prompt_id="A", prompt_token_ids=[1, 2, 3], sampling_params=params)
+    b = Request(prompt_id="B", prompt_token_ids=[4, 5], sampling_params=params)
+    c = Request(prompt_id="C", prompt_token_ids=[9, 9, 9, 9], sampling_params=params)
+    expected = engine.generate([c])[0]
+    real = engine.add_sequence
+
+    def interrupted(req, **kw):
+        if req.prompt_id == "B":
+            raise KeyboardInterrupt
+        return real(req, **kw)
+
+    monkeypatch.setattr(engine, "add_sequence", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([a, b])
+    monkeypatch.undo()
+    assert not engine.scheduler.has_work()
+    (r,) = engine.generate([c])
+    assert r.prompt_id == "C" and r.token_ids == expected.token_ids
+    assert engine.cache.num_free_blocks == engine.cache.num_blocks
