@@ -29,3 +29,20 @@ def write_text(path: str, text: str) -> None:
 def write_json(path: str, obj, **dump_kwargs) -> None:
     """json.dumps(obj, indent=2, **dump_kwargs) written atomically to `path`."""
     write_text(path, json.dumps(obj, indent=2, **dump_kwargs))
+
+
+def check_output_file(path: str, flag: str = "--json") -> None:
+    """Refuse, before the work whose result goes to `path`, a path write_text would fail
+    on after it: a directory, a directory part that is a file, or an unwritable directory
+    (the nearest one that exists; write_text creates the rest)."""
+    from megatron_tlt.errors import TLTError
+
+    if os.path.isdir(path):
+        raise TLTError(f"{flag} {path} is a directory, not a file")
+    d = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise TLTError(f"{flag} {path}: {d} is a file, not a directory")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise TLTError(f"{flag} {path}: directory {d} is not writable")

@@ -119,11 +119,15 @@ def parse_args(extra: list[str]) -> argparse.Namespace:
                    help="also run each mode once more at these batch sizes under cProfile "
                         "(untimed; the top functions by own time go to the JSON)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:i] (default auto: cuda when available)")
     from megatron_tlt.rollout.weights import ENGINE_DTYPES
     p.add_argument("--dtype", default="auto", choices=("auto",) + ENGINE_DTYPES,
                    help="engine dtype (auto: the checkpoint's on a GPU, float32 on the CPU)")
     args = p.parse_args(extra)
+    stray = sorted(set(args.profile_batch_sizes) - set(args.batch_sizes))
+    if stray:  # profiled only inside the --batch-sizes loop: these were dropped silently
+        raise TLTError(f"bench spec: --profile-batch-sizes {stray} are not among --batch-sizes "
+                       f"{sorted(set(args.batch_sizes))}")
     if args.min_sequences < 0:
         raise TLTError(f"bench spec: --min-sequences must be >= 0, got {args.min_sequences}")
     if args.max_new_tokens < 1 or args.repeats < 1 or args.prompt_sets < 1 or args.temperature < 0:
@@ -352,11 +356,14 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.cli import _eos_ids, _spec_decoder
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.models.arch import ModelArch
-    from megatron_tlt.rollout.weights import engine_dtype, load_hf
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf, resolve_device
     from megatron_tlt.spec.decode import depth_policy
 
     opts = parse_args(list(getattr(args, "extra", []) or []))
-    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "json", None):  # before the model loads and the runs, not at the first save
+        from megatron_tlt.atomic_io import check_output_file
+        check_output_file(args.json)
+    device = resolve_device(opts.device)
     start = time.perf_counter()
     arch, weights = load_hf(opts.model, device=device,
                             dtype=engine_dtype(ModelArch.from_hf_dir(opts.model), device, opts.dtype))
@@ -441,7 +448,8 @@ def main(args: argparse.Namespace) -> int:
         it measured ("complete": false)."""
         report = {"command": _command(args), "git_revision": _git_revision(), "torch": torch.__version__,
                   "triton": _version("triton"),
-                  "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  "device": (torch.cuda.get_device_name(torch.device(device))
+                             if device.startswith("cuda") else "cpu"),
                   "model": os.path.abspath(opts.model), "drafter": opts.drafter,
                   "settings": {k: v for k, v in vars(opts).items() if k not in ("drafter_names",)},
                   "engine": {"dtype": str(weights.dtype).replace("torch.", ""),

@@ -144,13 +144,11 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
 
     tokenizer: 'tiny' or a tokenizer directory; None: the one in `model_dir`.
     temperature, samples: sampled evaluation, `samples` responses per prompt."""
-    import torch
-
     from megatron_tlt.data.rewards import compute_rewards
     from megatron_tlt.data.tasks import get_task, make_dataset
     from megatron_tlt.data.tokenizer import load_tokenizer
     from megatron_tlt.rollout import Request, RolloutEngine, SamplingParams, load_hf
-    from megatron_tlt.rollout.weights import engine_dtype
+    from megatron_tlt.rollout.weights import engine_dtype, resolve_device
 
     if n < 1:
         raise TLTError(f"--n must be >= 1, got {n}")
@@ -172,8 +170,7 @@ def evaluate(model_dir: str, tasks: Sequence[str] = ("arith", "sort"), n: int = 
 
     declared = ModelArch.from_hf_dir(model_dir)  # a missing/bad model directory fails here, first
     tokenizer = load_tokenizer(tokenizer or model_dir)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     dtype = engine_dtype(declared, device)
     arch, weights = load_hf(model_dir, dtype=dtype, device=device)
     max_len = arch.max_position_embeddings
@@ -290,8 +287,9 @@ def main(args: argparse.Namespace) -> int:
                   device=getattr(args, "device", "auto"), tokenizer=getattr(args, "tokenizer", None),
                   temperature=getattr(args, "temperature", 0.0), samples=getattr(args, "samples", 1))
     tasks = args.tasks.split(",")
-    if args.json and os.path.isdir(args.json):  # before the evaluation, not after it
-        raise TLTError(f"--json {args.json} is a directory, not a file")
+    if args.json:  # before the evaluation, not after it
+        from megatron_tlt.atomic_io import check_output_file
+        check_output_file(args.json)
     if getattr(args, "ckpt", None):
         report = evaluate_checkpoint(args.ckpt, tasks, n=args.n, seed=args.seed,
                                      max_new_tokens=args.max_new_tokens, **kwargs)

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.repeats < 1:  # runs[0] of an empty list was an IndexError on every rank
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     from megatron_tlt.bench import SHAPES, _git_revision, random_weights
     from megatron_tlt.models import mcore

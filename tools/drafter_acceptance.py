@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import torch.nn.functional as F
@@ -68,15 +69,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    if a.temperature <= 0:
-        raise SystemExit("drafter_acceptance: --temperature must be > 0 (greedy acceptance is top_1)")
+    if not a.temperature > 0 or not math.isfinite(a.temperature):  # NaN passed `<= 0`
+        raise SystemExit("drafter_acceptance: --temperature must be a finite number > 0 (greedy "
+                         "acceptance is top_1)")
+    if a.num_prompts < 1 or a.max_samples < 1 or a.k < 1 or a.max_new_tokens < 1:
+        raise SystemExit("drafter_acceptance: --num-prompts, --max-samples, --k and "
+                         "--max-new-tokens must be >= 1")
     from megatron_tlt.models.arch import ModelArch
     from megatron_tlt.rollout.weights import engine_dtype, load_hf
     from megatron_tlt.spec.export import load_drafter
     from megatron_tlt.spec.train_drafter import (TrainSample, float32_head, pack_samples, prompt_token_ids,
                                                 target_samples)
 
-    dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    from megatron_tlt.rollout.weights import resolve_device
+    dev = resolve_device(a.device)
     # the target in the rollout's dtype (bf16 on a GPU), as train_drafter generates with it
     arch, w = load_hf(a.target, device=dev, dtype=engine_dtype(ModelArch.from_hf_dir(a.target), dev))
     if a.samples:

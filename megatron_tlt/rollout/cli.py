@@ -34,8 +34,6 @@ import json
 import os
 import sys
 
-import torch
-
 from megatron_tlt.config import DEFAULT_SPEC_DEPTH
 from megatron_tlt.errors import TLTError
 from megatron_tlt.models.arch import ModelArch
@@ -178,7 +176,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_tlt.rollout.engine import RolloutEngine, fast_path_options
     from megatron_tlt.rollout.request import MAX_SAMPLES, Result, expand_requests
     from megatron_tlt.rollout.sampling import SamplingParams
-    from megatron_tlt.rollout.weights import engine_dtype, load_hf
+    from megatron_tlt.rollout.weights import engine_dtype, load_hf, resolve_device
 
     spec = _arg(args, "spec", "off")
     policy = _spec_checked(args, spec)
@@ -208,9 +206,7 @@ def main(args: argparse.Namespace) -> int:
                             stop_strings=tuple(_arg(args, "stop", None) or ()), seed=args.seed)
     records = read_prompts(args.prompts)
 
-    device = _arg(args, "device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(_arg(args, "device", "auto"))
     arch = ModelArch.from_hf_dir(args.model)
     dtype = engine_dtype(arch, device, _arg(args, "dtype", "auto"))
     try:

@@ -231,6 +231,27 @@ ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 """Dtype names the engine runs (mapped by models.mcore.torch_dtype)."""
 
 
+def resolve_device(spec: str | None, flag: str = "--device") -> str:
+    """A --device value: None or "auto" -> "cuda" when available, else "cpu"; "cpu",
+    "cuda" or "cuda:i" checked against this machine, so a missing GPU is a one-line error
+    before a model is read (torch raised an AssertionError on the first tensor moved)."""
+    if spec is None or spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):  # e.g. "gpu": torch's message lists every device type
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise TLTError(f"{flag} {str(spec)!r}: expected auto, cpu or cuda[:i]")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TLTError(f"{flag} {str(spec)!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise TLTError(f"{flag} {str(spec)!r}: this machine has {torch.cuda.device_count()} "
+                           f"CUDA device(s)")
+    return str(device)
+
+
 def engine_dtype(arch: ModelArch, device: str | torch.device, name: str = "auto") -> torch.dtype:
     """The dtype to run a checkpoint in: `name`, or for "auto" float32 on the CPU (the
     exact reference path of the tests) and the checkpoint's own dtype (config.json

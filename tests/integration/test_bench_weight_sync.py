@@ -37,3 +37,10 @@ def test_bench_weight_sync_tp2(tmp_path, run_torchrun, tp):
     out = tmp_path / "sync.json"
     run_torchrun(TOOL, tp, ["--shape", "tiny", "--tp", str(tp), "--repeats", "2", "--json", str(out)], timeout=300)
     _check(out, tp)
+
+
+def test_repeats_must_be_positive():
+    """--repeats 0 was an IndexError (runs[0] of no runs) on every rank after the setup."""
+    p = subprocess.run([sys.executable, str(TOOL), "--shape", "tiny", "--repeats", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--repeats must be >= 1, got 0" in p.stderr, p.stderr[-2000:]

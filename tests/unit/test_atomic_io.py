@@ -25,3 +25,29 @@ def test_killed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     assert os.listdir(path.parent) == ["report.json"]
     atomic_io.write_text(str(path), "x\n")
     assert path.read_text() == "x\n"
+
+
+def test_check_output_file_refuses_what_write_text_would_fail_on(tmp_path, monkeypatch):
+    """check_output_file: the paths write_text fails on are refused up front (eval, bench
+    spec and tools/rl_acceptance.py call it before their work); the ones it manages pass,
+    a bare file name included (rl_acceptance's os.makedirs('') raised after hours of work)."""
+    from megatron_tlt.errors import TLTError
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(TLTError, match="is a directory, not a file"):
+        atomic_io.check_output_file(str(tmp_path))
+    with pytest.raises(TLTError, match=f"{tmp_path / 'f'} is a file, not a directory"):
+        atomic_io.check_output_file(str(tmp_path / "f" / "deeper" / "r.json"))
+    for ok in (tmp_path / "new" / "deeper" / "r.json", tmp_path / "f"):  # created, replaced
+        atomic_io.check_output_file(str(ok))
+        atomic_io.write_text(str(ok), "y")
+        assert ok.read_text() == "y"
+    monkeypatch.chdir(tmp_path)
+    atomic_io.check_output_file("rl.json")
+    atomic_io.write_text("rl.json", "z")
+    assert (tmp_path / "rl.json").read_text() == "z"
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(TLTError, match="is not writable"):
+            atomic_io.check_output_file(str(ro / "r.json"))

@@ -150,6 +150,27 @@ def test_bench_spec_bad_input(capsys):
     assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
                  "--min-sequences", "-1"]) == 2
     assert "--min-sequences must be >= 0" in capsys.readouterr().err
+    # profiling happens inside the --batch-sizes loop: other sizes were dropped silently
+    assert main(["bench", "spec", "--model", TINY, "--drafters", "ngram", "--device", "cpu",
+                 "--batch-sizes", "1", "--profile-batch-sizes", "2,1"]) == 2
+    assert "--profile-batch-sizes [2] are not among --batch-sizes [1]" in capsys.readouterr().err
+
+
+def test_bench_spec_checks_json_and_device_before_loading(tmp_path, capsys):
+    """--json naming a directory was an IsADirectoryError traceback after the warm-up and
+    the first batch size's runs; --device auto was refused by a message listing auto;
+    --device cuda without CUDA was an AssertionError traceback."""
+    args = ["bench", "spec", "--model", TINY, "--drafters", "ngram", "--batch-sizes", "1",
+            "--max-new-tokens", "4", "--min-sequences", "0", "--breakdown-tokens", "0"]
+    assert main(args + ["--device", "cpu", "--json", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.err.strip() == f"error: --json {tmp_path} is a directory, not a file" and "B=" not in out.out
+    path = tmp_path / "auto.json"
+    assert main(args + ["--device", "auto", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["complete"] is True
+    if not torch.cuda.is_available():
+        assert main(args + ["--device", "cuda"]) == 2
+        assert "--device 'cuda': CUDA is not available on this machine" in capsys.readouterr().err
 
 
 def test_bench_spec_depth_modes_and_schedule(tmp_path, capsys):

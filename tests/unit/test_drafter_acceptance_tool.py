@@ -82,3 +82,14 @@ def test_tool_end_to_end(tmp_path):
     assert rep["chain"] <= rep["iid_2"] <= rep["iid_3"] <= rep["iid_4"] <= 1
     assert rep["top_1"] <= rep["top_2"] <= rep["top_4"] <= 1
     assert rep["chain"] > 0.5
+
+
+def test_bad_arguments_are_refused_before_loading(capsys):
+    """A NaN --temperature passed the `<= 0` check and was written as NaN (invalid JSON);
+    --num-prompts 0 was a `max() arg is an empty sequence` traceback."""
+    import pytest
+
+    for bad in (["--temperature", "nan"], ["--temperature", "0"], ["--num-prompts", "0"]):
+        with pytest.raises(SystemExit, match="drafter_acceptance: "):
+            tool.main(["--target", "no/such/target", "--drafter", "no/such/drafter",
+                       "--tasks", "arith", *bad])

@@ -87,7 +87,7 @@ def test_a_different_checkpoint_gives_different_responses(tiny_mcore, tmp_path):
     assert [r["response"] for r in b["responses"]] != [r["response"] for r in a["responses"]]
 
 
-def test_eval_cli_takes_ckpt_or_model_not_both(tiny_mcore, capsys):
+def test_eval_cli_takes_ckpt_or_model_not_both(tiny_mcore, capsys, tmp_path):
     from megatron_tlt import cli
 
     with pytest.raises(SystemExit):
@@ -102,6 +102,15 @@ def test_eval_cli_takes_ckpt_or_model_not_both(tiny_mcore, capsys):
                      "--json", str(tiny_mcore)]) == 2
     out = capsys.readouterr()
     assert out.err.strip() == f"error: --json {tiny_mcore} is a directory, not a file" and out.out == ""
+    # under a path that is a file: a FileExistsError traceback after the whole evaluation
+    # (its report printed, not saved, exit 1)
+    (tmp_path / "a_file").write_text("x")
+    under_file = str(tmp_path / "a_file" / "report.json")
+    assert cli.main(["eval", "--ckpt", str(tiny_mcore), "--tasks", "sort", "--n", "2",
+                     "--json", under_file]) == 2
+    out = capsys.readouterr()
+    assert out.err.strip() == (f"error: --json {under_file}: {tmp_path / 'a_file'} is a "
+                               f"file, not a directory") and out.out == ""
 
 
 def test_sampled_eval_replays_and_counts_pass_at_k():
