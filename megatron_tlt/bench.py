@@ -268,11 +268,13 @@ def _version(module: str) -> str | None:
 # ---------------------------------------------------------------------- measurements
 
 
-FUSED_ADVANCE = False
+FUSED_ADVANCE = True
 """decode_ms's greedy argmax and input update as one kernel (DecodeRunner.advance_greedy)
-instead of a dozen torch ops (~44 us of the 1.5B batch-1 step on session 42's H200). Off
-until timed side by side (bench rollout --compare-attr megatron_tlt.bench:FUSED_ADVANCE=True);
-read at each timing."""
+instead of a dozen torch ops (~44 us of the 1.5B batch-1 step on session 42's H200). On
+since session 44: faster in every cell of three side-by-side runs on an H100 at 943a0b2
+(1.016x-1.019x at 1.5B batch 1, 1.002x-1.007x at 7B; benchmarks/results/
+gpu_2026-12-07_session44). False times the torch ops (--compare-attr
+megatron_tlt.bench:FUSED_ADVANCE=False); read at each timing."""
 
 
 def time_device_decode(engine: RolloutEngine, prompts: list[list[int]], *, steps: int,

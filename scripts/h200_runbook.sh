@@ -133,6 +133,10 @@
 #             the split merge inside the attention kernel (triton_attention._MERGE: the
 #             separate merge cost 34 us there); S43_FULL=1 runs the issue's benchmark first on
 #             an H200 (default 0: the defaults did not change) (~3 min)
+#   s44       the issue's benchmark with bench.FUSED_ADVANCE on by default (session 44: faster in
+#             every cell on an H100), its torch-ops loop timed beside it (--compare-attr
+#             megatron_tlt.bench:FUSED_ADVANCE=False); S44_FULL=1 (default) on an H200 only, 2 on
+#             any card; then tests/gpu/test_engine_gpu.py in the time left (~4 min + tests)
 #   lsweep    tools/linear_sweep.py --cases LSWEEP_CASES (default 1.5b:1,7b:32,1.5b:32): the
 #             projections with Triton configs the planner does not try, against its own
 #             candidates, each alone (no target needed; ~2-4 min)
@@ -544,6 +548,11 @@ PYEOF
     issue_then_ab s43 "${S43_FULL:-0}" "${S43_RESERVE:-150}" --batch-sizes 1,32 \
         --compare-attr "megatron_tlt.bench:FUSED_ADVANCE=True" \
         --compare-attr "megatron_tlt.rollout.triton_attention:_MERGE=True" ;;
+  s44)
+    if issue_bench_wanted "${S44_FULL:-1}"; then
+      S36_BENCH_ARGS="--compare-attr megatron_tlt.bench:FUSED_ADVANCE=False" issue_bench "${S44_RESERVE:-20}"
+    fi
+    pytest_stage engine 5 gpu_tests_engine.log tests/gpu/test_engine_gpu.py ;;
   lsweep)
     timeout "$(left)" $PY tools/linear_sweep.py --cases "${LSWEEP_CASES:-1.5b:1,7b:32,1.5b:32}" \
         --json "$RESULTS/linear_sweep.json" > "$RESULTS/linear_sweep.log" 2>&1
@@ -555,6 +564,6 @@ PYEOF
         > "$RESULTS/gpu_tests.log" 2>&1
     echo "[runbook] gputests: rc=$? at $(( $(date +%s) - t0 )) s"
     grep -E "passed|failed|error" "$RESULTS/gpu_tests.log" | tail -n 25 ;;
-  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 s41 s42 s43 lsweep gputests)" ;;
+  *) echo "[runbook] unknown stage $STAGE (setup target drafters spec acceptance rollout kernels pdl fusions splits warps attn tiles l2 phases ablate glu loop s34 s36 s37 s37b s39 s40 s41 s42 s43 s44 lsweep gputests)" ;;
 esac
 exit 0
