@@ -275,6 +275,10 @@ def test_stop_string_seen_during_min_new_tokens_never_fires_later():
     assert _first_stop(checker, prompt + out, len(prompt)) == (None, None, None)
     later = list(b"xyzw") + list("\u00e9".encode()) + list(b"ab")
     assert _first_stop(checker, prompt + later, len(prompt)) == (7, "stop", "ab")
+    # completed by the min_new_tokens-th token itself: it stops there (a `>` for `>=` ran on
+    # to max_new_tokens and every other test passed)
+    at_limit = StopChecker(params, [], _byte_detok)
+    assert _first_stop(at_limit, prompt + list(b"xyab") + list(b"zzzz"), len(prompt)) == (3, "stop", "ab")
 
 
 def test_top_p_below_float32_keeps_the_most_likely_token():

@@ -39,6 +39,10 @@ def test_top_p_keeps_the_shortest_prefix_lowest_ids_on_ties():
     assert (process_logits(logits, top_p=0.45) > 0).tolist() == [True, False, False, False]
     assert (process_logits(logits, top_p=0.55) > 0).tolist() == [True, True, False, False]
     assert (process_logits(logits, top_p=0.95) > 0).tolist() == [True, True, True, True]
+    # the mass before token 1 equals top_p exactly: the prefix already reaches it, token 1 is
+    # dropped (a `<=` kept it and every other test passed)
+    exact = logits_of(0.5, 0.25, 0.25)
+    assert (process_logits(exact, top_p=0.5) > 0).tolist() == [True, False, False]
     torch.testing.assert_close(process_logits(logits, top_p=0.55), torch.tensor([5 / 7, 2 / 7, 0.0, 0.0]))
 
 

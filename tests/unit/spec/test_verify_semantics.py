@@ -164,6 +164,21 @@ def test_degenerate_residual_falls_back_to_the_target(impl, general):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("general", [False, True])
+def test_degenerate_residual_below_the_root_falls_back_to_that_nodes_target(impl, general):
+    """The same empty residual one level down: the first draft (2) is accepted, the second
+    (1) rejected by coin 1.0 though the target at node 1 is sure of it; the token comes from
+    node 1's target row (1), not the root's (2). A reference racing the root's row passed
+    every other test (session 44's mutation audit)."""
+    parents, tokens = chain_parents(1, 2), ints(0, 2, 1)
+    target = rows([0, 0, 1, 0], [0, 1, 0, 0], [0.25] * 4)
+    draft = rows([0.25] * 4, [0, 0, 1, 0], [0, 1, 0, 0]) if general else None
+    coins = torch.tensor([[1.0, 0.5, 1.0]])  # per node: node 1 accepted, node 2 rejected
+    out = verify_tree_rejection(parents, tokens, target, draft, coins, torch.ones(1, 4), impl=impl)
+    assert as_lists(out) == ([0, 1, -1], 1, [2, 1, -1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_identical_drafter_is_always_accepted(impl):
     inputs = VerifyInputs.make_dummy(batch=16, depth=4, topk=1, vocab=64, general_q=True, padding=False, seed=3)
     parent_rows = inputs.parents.clamp(min=0).unsqueeze(-1).expand_as(inputs.target_probs)
