@@ -182,12 +182,19 @@ class RLRun:
             raise ConfigError(f"prompts per step ({self.prompts_per_step} = train.global_batch_size / "
                               f"rollout.n_samples) must be a multiple of parallel.dp ({self.dp})")
 
+        declared = None
         if self.model_dir is not None:  # before the conversion (the engine checks it after)
             from megatron_tlt.models.arch import ModelArch
-            most = ModelArch.from_hf_dir(self.model_dir).max_position_embeddings
+            declared = ModelArch.from_hf_dir(self.model_dir)
+            most = declared.max_position_embeddings
             if cfg.model.seq_length > most:
                 raise ConfigError(f"model.seq_length ({cfg.model.seq_length}) exceeds the model's "
                                   f"max_position_embeddings ({most}, {self.model_dir})")
+        # the speculative-decoding settings and the checkpoint to resume from, also before the
+        # conversion and model loads (a typo there cost a whole conversion of the model)
+        self._check_spec_settings(declared)
+        self.ckpt = Checkpointer(self.out_dir, keep_last=cfg.train.keep_last)
+        path = self.ckpt.resolve(cfg.train.resume)
         mc_dir = self._mcore_checkpoint()
         from megatron_tlt.models.mcore_ckpt import read_meta
 
@@ -207,10 +214,8 @@ class RLRun:
             self.ref.model.requires_grad_(False)
 
         self.engine = self._engine()
-        self.ckpt = Checkpointer(self.out_dir, keep_last=cfg.train.keep_last)
         self.step = 0
         self.data_pos = 0
-        path = self.ckpt.resolve(cfg.train.resume)
         if path is not None:
             try:
                 state = self.ckpt.load(path, self.actor, self.optimizer)
@@ -323,20 +328,37 @@ class RLRun:
         engine.spec_decoder = self._spec_decoder(weights)
         return engine
 
-    def _spec_decoder(self, weights):
+    def _check_spec_settings(self, declared) -> None:
+        """rollout.spec's settings from the config alone (and the drafter's config.json
+        against `declared`, the HF model's arch, when known): ConfigError / CheckpointError."""
         ro = self.cfg.rollout
         if ro.spec == "off":
-            return None
+            return
         if ro.spec == "adaptive":
             raise ConfigError("rollout.spec=adaptive is not available in this build yet; use off, ngram or eagle")
-        from megatron_tlt.spec.decode import SpecDecoder, depth_policy
+        from megatron_tlt.spec.decode import depth_policy
 
-        policy = depth_policy(ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify,
-                              threshold=ro.spec_threshold)
+        depth_policy(ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify,
+                     threshold=ro.spec_threshold)
         if ro.spec == "eagle":
             if not ro.drafter:
                 raise ConfigError("rollout.spec=eagle needs rollout.drafter (a drafter directory written by "
                                   "python -m megatron_tlt.spec.train_drafter)")
+            from megatron_tlt.spec.export import check_target, read_drafter_config
+
+            config, _ = read_drafter_config(ro.drafter)
+            if declared is not None:
+                check_target(config, declared, ro.drafter)
+
+    def _spec_decoder(self, weights):
+        ro = self.cfg.rollout
+        if ro.spec == "off":
+            return None
+        from megatron_tlt.spec.decode import SpecDecoder, depth_policy
+
+        policy = depth_policy(ro.spec_depth, topk=ro.spec_topk, num_verify_tokens=ro.spec_num_verify,
+                              threshold=ro.spec_threshold)
+        if ro.spec == "eagle":  # settings checked by _check_spec_settings
             from megatron_tlt.spec.eagle import EagleProposer
             from megatron_tlt.spec.export import load_drafter
 

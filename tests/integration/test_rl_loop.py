@@ -178,6 +178,15 @@ def test_resume_after_kill_is_bit_identical(setup, straight, tmp_path):
     assert la == lb
     ids = [pid for row in la for pid in row["prompt_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was processed twice"
+    # and none skipped: the steps walk the epoch's seeded permutation (train.seed 1234 of
+    # tiny_cpu.yaml) position by position. A loop advancing one prompt too far each step
+    # passed every test before this (duplicates and straight == resumed only).
+    expected = []
+    for k in range(len(ids)):
+        epoch, off = divmod(k, NUM_PROMPTS)
+        order = torch.randperm(NUM_PROMPTS, generator=torch.Generator().manual_seed(1234 * 1000 + epoch))
+        expected.append(f"prompts-{int(order[off]) + 1}")
+    assert len(ids) == 2 * STEPS and ids == expected, (ids, expected)
 
 
 def test_resume_replays_ngram_rollouts_at_temperature_one(setup, tmp_path):

@@ -104,6 +104,23 @@ def test_seq_length_beyond_the_model_fails_before_conversion(tmp_path):
     assert not (tmp_path / "run" / "init_mcore").exists()
 
 
+@pytest.mark.parametrize("setting, expected", [
+    ("rollout.spec=adaptive", "error: rollout.spec=adaptive is not available in this build yet; use off, ngram or eagle"),
+    ("rollout.spec=eagle", "error: rollout.spec=eagle needs rollout.drafter (a drafter directory written by "
+                           "python -m megatron_tlt.spec.train_drafter)"),
+    ("rollout.drafter=/no/such/drafter", "error: drafter directory not found: /no/such/drafter"),
+    ("train.resume=/no/such/ckpt", None),
+])
+def test_spec_and_resume_settings_fail_before_conversion(tmp_path, setting, expected):
+    """Settings checkable from the config alone were refused only after the HF -> mcore
+    conversion and the model loads (17-32 s on the tiny model; a whole conversion at 7B)."""
+    extra = ["rollout.spec=eagle"] if "drafter=" in setting else []
+    proc = run_cli("train", setting, *extra, f"train.out_dir={tmp_path / 'run'}")
+    line = assert_one_line_error(proc)
+    assert line == expected if expected else "/no/such/ckpt" in line, line
+    assert not (tmp_path / "run" / "init_mcore").exists(), "work started"
+
+
 def test_missing_config_file_is_one_line_exit_2(tmp_path):
     missing = tmp_path / "missing.yaml"
     line = assert_one_line_error(run_cli("sft", "--config", str(missing)))

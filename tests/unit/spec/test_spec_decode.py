@@ -161,6 +161,23 @@ def test_threshold_turns_spec_off_for_large_batches(spec_models):
     assert engine.spec_decoder.metrics.summary()["total"]["num_drafts"] == 0
 
 
+def test_sampled_tokens_and_batch_composition_with_and_without_a_threshold(spec_models):
+    """What the README says of "same seed -> same tokens" under speculative decoding at
+    temperature 1: speculating at every batch size (threshold None), each request samples
+    the same tokens alone as in a batch of 6 (per-request noise streams); with a threshold
+    (2 here, rollout.spec_threshold is 32 by default), whether a step speculates depends on
+    how many sequences run, and SD samples other (equally distributed) tokens than plain
+    decoding from the same noise, so requests alone and in the batch differ."""
+    d = spec_models["llama"]
+    reqs = requests(VOCAB["llama"], [4, 5, 6, 7, 8, 9], temperature=1.0, max_new_tokens=16, seed=7)
+    for threshold, same in ((None, True), (2, False)):
+        batch, _ = run(d, reqs, "eagle", Strategy(depth=3), threshold=threshold)
+        alone = [run(d, reqs[i:i + 1], "eagle", Strategy(depth=3), threshold=threshold)[0][0]
+                 for i in range(len(reqs))]
+        equal = [b.token_ids == a.token_ids for b, a in zip(batch, alone)]
+        assert all(equal) if same else not any(equal), (threshold, equal)
+
+
 def test_per_call_strategy_override(spec_models):
     d = spec_models["llama"]
     reqs = requests(VOCAB["llama"], [6], max_new_tokens=9)
