@@ -31,14 +31,18 @@ def write_json(path: str, obj, **dump_kwargs) -> None:
     write_text(path, json.dumps(obj, indent=2, **dump_kwargs))
 
 
-def check_output_file(path: str, flag: str = "--json") -> None:
+def check_output_file(path: str, flag: str = "--json", *, renamed_into_place: bool = True) -> None:
     """Refuse, before the work whose result goes to `path`, a path write_text would fail
     on after it: a directory, a directory part that is a file, or an unwritable directory
-    (the nearest one that exists; write_text creates the rest)."""
+    (the nearest one that exists; write_text creates the rest). renamed_into_place=False:
+    the caller opens `path` itself, so an existing writable file (or /dev/stdout) is
+    enough."""
     from megatron_tlt.errors import TLTError
 
     if os.path.isdir(path):
         raise TLTError(f"{flag} {path} is a directory, not a file")
+    if not renamed_into_place and os.path.exists(path) and os.access(path, os.W_OK):
+        return
     d = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(d):
         d = os.path.dirname(d)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     start_tag = f"_sft{args.sft_steps}" if args.sft_steps else ""
     json_path = args.json or os.path.join(REPO, "benchmarks", "results", f"rl_tiny_30steps{start_tag}_{date}.json")
     from megatron_tlt.atomic_io import check_output_file
-    check_output_file(json_path)  # before hours of training, not after them
+    check_output_file(json_path, renamed_into_place=False)  # before hours of training, not after
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
@@ -243,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
            if "gain_points_sampled" in r},
         **{f"train_wall_s_spec_{s}": r["wall_s"] for s, r in result["runs"].items()},
     }
-    from megatron_tlt.atomic_io import write_text
-    write_text(json_path, json.dumps(result, indent=2) + "\n")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)  # "" for a bare name
+    with open(json_path, "w", encoding="utf-8") as f:  # a symlink's target, /dev/stdout: written through
+        json.dump(result, f, indent=2)
+        f.write("\n")
     print(f"== held-out exact-answer rate ({args.tasks}, n={args.n}): baseline {before:.1%}", flush=True)
     for s, r in result["runs"].items():
         print(f"   spec={s}: {r['eval']['main']['overall']['rate']:.1%} ({r['gain_points']:+.1f} points; "

@@ -151,13 +151,11 @@ class EngineWeights:
         if version < self.version:
             raise TLTError(f"update_weights: policy version {version!r} is older than the "
                            f"engine's current version {self.version}")
+        tied_head = None
         for name, t in named_tensors.items():
             view = self._views.get(name)
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                # load_hf drops it and hf_names leaves it out; copying it would overwrite the
-                # embedding, and with both names given the dict's order would pick the winner
-                raise TLTError("update_weights: 'lm_head.weight' given for a model with tied "
-                               "embeddings; the head is 'model.embed_tokens.weight'")
+                tied_head = t  # checked below, against the embedding this call leaves
             if view is None:
                 raise TLTError(f"update_weights: unknown tensor name {name!r} for a "
                                f"{self.arch.family} model with {self.arch.num_layers} layers")
@@ -169,7 +167,19 @@ class EngineWeights:
             if tuple(t.shape) != tuple(view.shape):
                 raise TLTError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, "
                                f"the engine expects {tuple(view.shape)}")
+        if tied_head is not None:
+            # Tied: the head is the embedding. HF state_dicts and hf_views() list both names
+            # for one tensor, accepted; a head that differs would overwrite the embedding
+            # (load_hf drops it), and with both names the dict's order would pick the winner.
+            embed = named_tensors.get("model.embed_tokens.weight", self.embed)
+            same = tied_head is embed or torch.equal(
+                tied_head.to(self.embed.device, self.embed.dtype), embed.to(self.embed.device, self.embed.dtype))
+            if not same:
+                raise TLTError("update_weights: 'lm_head.weight' differs from the embedding of a model "
+                               "with tied embeddings; the head is 'model.embed_tokens.weight'")
         for name, t in named_tensors.items():
+            if name == "lm_head.weight" and tied_head is not None:
+                continue  # the embedding's copy writes it
             self._views[name].copy_(t)
         self.version = version
 

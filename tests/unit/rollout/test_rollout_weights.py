@@ -89,16 +89,23 @@ def test_tied_lm_head_is_the_embedding(hf_models):
     assert not arch.tie_word_embeddings and w.lm_head is not w.embed
 
 
-def test_tied_lm_head_update_refused(hf_models):
-    """update_weights refuses 'lm_head.weight' on a tied model (load_hf drops it): it was
-    copied over the embedding, so the same dict gave another engine than load_hf, and with
-    both names the dict's order picked the embedding. Untied, it is still accepted."""
+def test_tied_lm_head_update_refused_unless_it_is_the_embedding(hf_models):
+    """update_weights refuses an 'lm_head.weight' on a tied model that differs from the
+    embedding (load_hf drops it): it was copied over the embedding, so the same dict gave
+    another engine than load_hf, and with both names the dict's order picked the embedding.
+    The same tensor under both names (an HF state_dict, hf_views()) is accepted. Untied,
+    any head is accepted."""
     arch, w = load_hf(hf_models["qwen2"][0])
     before = w.embed.clone()
     head = torch.randn(arch.vocab_size, arch.hidden_size)
-    with pytest.raises(TLTError, match="'lm_head.weight' given for a model with tied embeddings"):
+    with pytest.raises(TLTError, match="'lm_head.weight' differs from the embedding of a model with tied"):
         w.update_weights({"model.embed_tokens.weight": before + 1, "lm_head.weight": head}, version=1)
+    with pytest.raises(TLTError, match="'lm_head.weight' differs"):
+        w.update_weights({"lm_head.weight": head}, version=1)
     assert torch.equal(w.embed, before) and w.version == 0
+    w.update_weights({"model.embed_tokens.weight": before + 1, "lm_head.weight": before + 1}, version=1)
+    w.update_weights(w.hf_views(), version=2)
+    assert torch.equal(w.embed, before + 1) and w.lm_head is w.embed and w.version == 2
     arch, w = load_hf(hf_models["llama"][0])
     head = torch.randn(arch.vocab_size, arch.hidden_size)
     w.update_weights({"lm_head.weight": head}, version=1)
