@@ -63,7 +63,7 @@ from megatron_tlt.models.arch import ModelArch
 from megatron_tlt.rollout.engine import RolloutEngine
 from megatron_tlt.rollout.request import Request
 from megatron_tlt.rollout.sampling import SamplingParams
-from megatron_tlt.rollout.weights import EngineWeights
+from megatron_tlt.rollout.weights import EngineWeights, resolve_device
 
 _QWEN25 = dict(family="qwen2", qkv_bias=True, rope_theta=1e6, rms_norm_eps=1e-6,
                max_position_embeddings=32768, head_dim=128)
@@ -440,9 +440,7 @@ class _Plan:
 
 
 def _plan(args) -> _Plan:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TLTError("bench rollout: --device cuda but CUDA is not available")
+    device = torch.device(resolve_device(args.device))
     backend = args.backend or ("triton" if device.type == "cuda" else "torch")
     graphs = device.type == "cuda" and backend == "triton" and not args.no_graphs
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
